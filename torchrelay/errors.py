@@ -1,0 +1,63 @@
+"""One error tree for torchrelay.
+
+Every message names the offending value and, where it helps, what would be right.
+The server maps these to HTTP status codes through ``http_status``; the client maps
+HTTP errors back to the same classes, so ``except NotFound`` works on both sides.
+"""
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base of every torchrelay error."""
+
+    http_status = 500
+
+
+class InvalidSpec(RelayError):
+    """A job spec (or another request body) is malformed: names the field and value."""
+
+    http_status = 422
+
+
+class NotFound(RelayError):
+    """An unknown job, node, artifact or bundle id: names the id."""
+
+    http_status = 404
+
+
+class Conflict(RelayError):
+    """The request is well formed but not allowed now, e.g. an illegal state transition."""
+
+    http_status = 409
+
+
+class Unschedulable(RelayError):
+    """A job could never fit the cluster (more workers, cpus, gpus or memory than it has)."""
+
+    http_status = 422
+
+
+class ServerUnavailable(RelayError):
+    """No torchrelay server answers at the address the client was given."""
+
+    http_status = 503
+
+
+class StorageError(RelayError):
+    """The artifact store could not read or write (missing path, full disk, permissions)."""
+
+    http_status = 507
+
+
+class CheckpointCorrupt(StorageError):
+    """A checkpoint failed verification (missing manifest, bad checksum, missing file)."""
+
+
+_BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict,
+                                            Unschedulable, ServerUnavailable, StorageError,
+                                            CheckpointCorrupt)}
+
+
+def error_class(name: str) -> type[RelayError]:
+    """The error class called ``name``; ``RelayError`` for names this version does not know."""
+    return _BY_NAME.get(name, RelayError)

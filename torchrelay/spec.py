@@ -1,0 +1,355 @@
+"""Job specs, resources, strategies and job states: pure data, no I/O.
+
+Contract:
+- ``JobSpec.from_yaml_text`` / ``JobSpec.model_validate`` accept what DESIGN.md section 3
+  shows and refuse anything else with ``InvalidSpec`` naming the field and the value
+  (unknown keys included).
+- ``JobState`` and ``TRANSITIONS`` are the one table of legal job state changes;
+  ``check_transition`` is what the server calls before every change.
+- ``parse_memory`` turns "2GiB", "512MB", "1.5G" or an int into bytes.
+"""
+from __future__ import annotations
+
+import enum
+import re
+import shlex
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from torchrelay.errors import Conflict, InvalidSpec
+
+# ---------------------------------------------------------------- memory sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes in ``value`` ("2GiB", "512MB", 1024). Raises ``InvalidSpec`` naming it."""
+    if isinstance(value, bool):
+        raise InvalidSpec(f"memory: {value!r} is not a size; use bytes or e.g. '2GiB', '512MB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise InvalidSpec(f"memory: {value!r} is negative; use a size >= 0")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidSpec(f"memory: {value!r} is not a size; use bytes or e.g. '2GiB', '512MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_memory(num_bytes: int) -> str:
+    """Human form of a byte count, e.g. 2147483648 -> '2.0GiB'."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- spec models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Strict):
+    """Per-worker resources. ``memory`` is bytes once validated."""
+
+    cpu: float = Field(default=1, ge=0)
+    gpu: int = Field(default=0, ge=0)
+    memory: int = Field(default=0, ge=0, description="bytes; accepts '2GiB' etc.")
+    gpu_type: str | None = None
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> int:
+        try:
+            return parse_memory(value)
+        except InvalidSpec as exc:
+            raise ValueError(str(exc).removeprefix("memory: ")) from None
+
+
+class DDPStrategy(_Strict):
+    """Gradients all-reduced every step (DistributedDataParallel)."""
+
+    kind: Literal["ddp"] = "ddp"
+
+
+class LocalSGDStrategy(_Strict):
+    """Each replica steps alone; parameters averaged every ``every`` steps."""
+
+    kind: Literal["local_sgd"]
+    every: int = Field(default=8, ge=1)
+    warmup_steps: int = Field(default=0, ge=0)
+
+
+class DiLoCoStrategy(_Strict):
+    """Inner optimizer for ``every`` steps, then the averaged delta through outer Nesterov."""
+
+    kind: Literal["diloco"]
+    every: int = Field(default=16, ge=1)
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+
+
+class FinalAverageStrategy(_Strict):
+    """Replicas train independently and are averaged once at the end (and at checkpoints)."""
+
+    kind: Literal["final_average"]
+
+
+class ServerOptimizer(_Strict):
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(default=0.01, gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class ParameterServerStrategy(_Strict):
+    """Parameters on ``servers`` processes; workers push gradients and pull parameters."""
+
+    kind: Literal["parameter_server"]
+    servers: int = Field(default=1, ge=1)
+    mode: Literal["sync", "async", "ssp"] = "sync"
+    staleness: int = Field(default=0, ge=0)
+    optimizer: ServerOptimizer = ServerOptimizer()
+    server_resources: Resources = Resources(cpu=1)
+
+    @model_validator(mode="after")
+    def _staleness_only_for_ssp(self) -> "ParameterServerStrategy":
+        if self.mode != "ssp" and self.staleness:
+            raise ValueError(f"staleness={self.staleness} only applies to mode 'ssp', not {self.mode!r}")
+        return self
+
+
+class PipelineStrategy(_Strict):
+    """Model cut into stages; micro-batches pipelined through them."""
+
+    kind: Literal["pipeline"]
+    stages: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    microbatches: int = Field(default=8, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    replicas: int = Field(default=1, ge=1)
+
+
+Strategy = Annotated[
+    Union[DDPStrategy, LocalSGDStrategy, DiLoCoStrategy, FinalAverageStrategy,
+          ParameterServerStrategy, PipelineStrategy],
+    Field(discriminator="kind"),
+]
+STRATEGY_KINDS = ("ddp", "local_sgd", "diloco", "final_average", "parameter_server", "pipeline")
+
+
+class CheckpointPolicy(_Strict):
+    every_steps: int = Field(default=0, ge=0, description="0 = only when the script asks")
+    keep: int = Field(default=3, ge=1)
+    async_: bool = Field(default=False, alias="async")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class JobSpec(_Strict):
+    """A job as submitted. ``workers`` is the total; ``nodes`` × ``workers_per_node`` pins the shape."""
+
+    name: str = Field(default="job", min_length=1, max_length=128)
+    workdir: str = "."
+    entrypoint: str
+    workers: int = Field(default=1, ge=1)
+    nodes: int | None = Field(default=None, ge=1)
+    workers_per_node: int | None = Field(default=None, ge=1)
+    resources: Resources = Resources()
+    strategy: Strategy = DDPStrategy()
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    max_restarts: int = Field(default=0, ge=0)
+    priority: int = 0
+    env: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    queue: str = "default"
+    preemptible: bool = True
+    max_runtime_s: float | None = Field(default=None, gt=0)
+    labels: dict[str, str] = Field(default_factory=dict, description="node labels required")
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint(cls, value: str) -> str:
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            raise ValueError(f"entrypoint {value!r} is not a valid command line: {exc}") from None
+        if not argv:
+            raise ValueError("entrypoint is empty; give the command to run, e.g. 'python train.py'")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(f"name {value!r} must be letters, digits, '_', '.' or '-'")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        nodes, per_node = data.get("nodes"), data.get("workers_per_node")
+        if nodes is not None and per_node is not None:
+            total = nodes * per_node if isinstance(nodes, int) and isinstance(per_node, int) else None
+            if "workers" in data and total is not None and data["workers"] != total:
+                raise ValueError(f"workers={data['workers']} does not equal nodes × workers_per_node = "
+                                 f"{nodes} × {per_node} = {total}; give one or the other")
+            if total is not None:
+                data = {**data, "workers": total}
+        elif (nodes is None) != (per_node is None):
+            raise ValueError("nodes and workers_per_node go together; give both or neither")
+        return data
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.entrypoint)
+
+    # ------------------------------------------------------------ parsing at the edge
+
+    @classmethod
+    def parse(cls, data: Any) -> "JobSpec":
+        """Validate a dict into a spec. Raises ``InvalidSpec`` naming each bad field and value."""
+        if not isinstance(data, dict):
+            raise InvalidSpec(f"a job spec is a mapping of fields, got {type(data).__name__}: {data!r:.80}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidSpec(describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml_text(cls, text: str, overrides: list[str] | None = None) -> "JobSpec":
+        """Parse YAML, apply ``--set key.sub=value`` overrides, validate. Raises ``InvalidSpec``."""
+        import yaml  # local: keep `spec` importable without YAML for the server's JSON path
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise InvalidSpec(f"the job spec is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidSpec(f"a job spec is a mapping of fields, got {type(data).__name__}")
+        for item in overrides or []:
+            data = apply_override(data, item)
+        return cls.parse(data)
+
+    def to_public(self) -> dict[str, Any]:
+        """JSON-ready dict that ``parse`` accepts back (the resolved spec)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
+    """Return ``data`` with ``a.b=value`` set; value parsed as YAML scalar. Raises ``InvalidSpec``."""
+    import yaml
+
+    if "=" not in item:
+        raise InvalidSpec(f"--set {item!r} is not key=value, e.g. --set workers=4")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise InvalidSpec(f"--set {item!r} has no key before '='")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    out = dict(data)
+    node = out
+    for part in parts[:-1]:
+        child = node.get(part)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: 'field.path: message (got value)'."""
+    lines = []
+    for err in exc.errors():
+        parts = [str(p) for p in err["loc"]]
+        # a discriminated union puts the tag ("ddp") into the path: drop it
+        parts = [p for i, p in enumerate(parts) if not (i and parts[i - 1] == "strategy" and p in STRATEGY_KINDS)]
+        loc = ".".join(parts) or "spec"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key {loc.rsplit('.', 1)[-1]!r} (value {err['input']!r})")
+            continue
+        if err["type"] == "union_tag_invalid":
+            got = err.get("ctx", {}).get("tag")
+            lines.append(f"{loc}.kind: unknown strategy {got!r}; expected one of {', '.join(STRATEGY_KINDS)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or value is None else f" (got {value!r})"
+        lines.append(f"{loc}: {msg}{shown}")
+    return "invalid job spec: " + "; ".join(lines)
+
+
+# ---------------------------------------------------------------- job states
+
+
+class JobState(str, enum.Enum):
+    """Life of a job.
+
+    QUEUED -> SCHEDULED -> RUNNING -> (RESTARTING -> RUNNING)* -> SUCCEEDED | FAILED | CANCELLED,
+    with CANCELLING between a cancel request and CANCELLED. A preempted or displaced job goes
+    back to QUEUED. The full table is ``TRANSITIONS``.
+    """
+
+    QUEUED = "QUEUED"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def active(self) -> bool:
+        """Holds resources on nodes (launched or about to be)."""
+        return self in (JobState.SCHEDULED, JobState.RUNNING, JobState.RESTARTING, JobState.CANCELLING)
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+_S = JobState
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.QUEUED: frozenset({_S.SCHEDULED, _S.CANCELLED, _S.FAILED}),
+    _S.SCHEDULED: frozenset({_S.RUNNING, _S.CANCELLING, _S.FAILED, _S.QUEUED, _S.RESTARTING, _S.SUCCEEDED}),
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.RESTARTING, _S.CANCELLING, _S.QUEUED}),
+    _S.RESTARTING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLING, _S.QUEUED, _S.SUCCEEDED}),
+    _S.CANCELLING: frozenset({_S.CANCELLED, _S.SUCCEEDED, _S.FAILED}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+
+
+def can_transition(current: JobState, target: JobState) -> bool:
+    return target in TRANSITIONS[current]
+
+
+def check_transition(job_id: str, current: JobState, target: JobState) -> None:
+    """Raise ``Conflict`` naming the job and both states unless current -> target is legal."""
+    if not can_transition(current, target):
+        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
+        raise Conflict(f"job {job_id} cannot go from {current.value} to {target.value}; "
+                       f"allowed from {current.value}: {allowed}")

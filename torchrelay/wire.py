@@ -1,0 +1,271 @@
+"""Wire models of the HTTP API under ``/api/v1``: pure pydantic, shared by server, agent, client.
+
+Endpoints (all JSON unless noted; errors are ``{"error": ClassName, "detail": message}``
+with the status of ``torchrelay.errors``):
+
+Clients
+  POST   /bundles                      body: raw tar.gz bytes        -> BundleRef (idempotent by sha256)
+  HEAD   /bundles/{digest}             200 if stored, 404 otherwise
+  GET    /bundles/{digest}             -> raw tar.gz bytes
+  POST   /jobs                         SubmitRequest                 -> JobInfo (201)
+  GET    /jobs?state=&limit=           -> list[JobInfo] (newest first)
+  GET    /jobs/{id}                    -> JobInfo
+  POST   /jobs/{id}/cancel             -> JobInfo (idempotent)
+  GET    /jobs/{id}/logs?after=&rank=&wait= -> LogPage (long-polls up to `wait` s for new lines)
+  GET    /jobs/{id}/metrics?after=&wait=    -> MetricPage
+  GET    /jobs/{id}/artifacts          -> list[ArtifactInfo]
+  GET    /jobs/{id}/artifacts/{path}   -> raw bytes
+  GET    /nodes                        -> list[NodeInfo]
+  GET    /health                       -> {"ok": true, "version": ...}
+
+Agents
+  POST   /nodes/register               NodeRegistration              -> RegisterReply
+  POST   /nodes/{id}/heartbeat         Heartbeat                     -> HeartbeatReply
+         Long-poll: answers at once when the desired launches differ from what the agent
+         reported, otherwise waits up to ``Heartbeat.wait_s`` for a change.
+  POST   /launches/{launch_id}/status  LaunchStatus                  -> {"ok": true}
+  POST   /jobs/{id}/logs               LogBatch                      -> {"ok": true}
+  POST   /jobs/{id}/metrics            MetricBatch                   -> {"ok": true}
+  PUT    /jobs/{id}/artifacts/{path}   raw bytes                     -> ArtifactInfo
+
+The agent side is declarative: the heartbeat reply lists every launch the server wants on
+that node (``LaunchAssignment``, with ``desired`` = "run" or "stop"); the agent makes it so
+and reports each launch's actual state through ``/launches/{id}/status``. Re-sending a status
+or a log/metric batch with the same sequence numbers is harmless (idempotent by
+``(launch_id, rank, seq)``).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from torchrelay.spec import JobState
+
+API_PREFIX = "/api/v1"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- bundles and jobs
+
+
+class BundleRef(_Model):
+    digest: str = Field(description="sha256 hex of the tar.gz bytes")
+    size: int
+
+
+class SubmitRequest(_Model):
+    spec: dict[str, Any] = Field(description="a JobSpec as JSON; validated by the server")
+    bundle: str | None = Field(default=None, description="digest of an uploaded workdir bundle")
+
+
+class RankExit(_Model):
+    """How one rank ended. ``returned`` is true when its script returned successfully
+    (the launcher's exit hook saw it), whatever the process did during teardown."""
+
+    rank: int
+    exit_code: int | None = None
+    signal: int | None = None
+    returned: bool = False
+    last_lines: list[str] = Field(default_factory=list)
+
+
+class FailureInfo(_Model):
+    """Why an attempt (or the job) failed: the first failing rank, as far as known."""
+
+    reason: str
+    rank: int | None = None
+    node: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    last_lines: list[str] = Field(default_factory=list)
+    attempt: int | None = None
+
+
+class PlacementInfo(_Model):
+    node_id: str
+    node_name: str
+    node_rank: int
+    workers: int
+
+
+class JobEvent(_Model):
+    time: float
+    state: JobState
+    message: str = ""
+
+
+class JobInfo(_Model):
+    id: str
+    name: str
+    user: str | None = None
+    state: JobState
+    spec: dict[str, Any]
+    bundle: str | None = None
+    priority: int = 0
+    submitted_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempt: int = 0
+    restarts: int = 0
+    placement: list[PlacementInfo] = Field(default_factory=list)
+    failure: FailureInfo | None = None
+    restart_reasons: list[FailureInfo] = Field(default_factory=list)
+    waiting_reason: str | None = None
+    last_metrics: dict[str, Any] = Field(default_factory=dict)
+    events: list[JobEvent] = Field(default_factory=list)
+
+
+class LogLine(_Model):
+    seq: int = Field(description="server-assigned, increasing per job")
+    rank: int
+    attempt: int = 0
+    stream: Literal["stdout", "stderr"] = "stdout"
+    text: str
+
+
+class LogPage(_Model):
+    lines: list[LogLine]
+    next_after: int = Field(description="pass as `after` to get only newer lines")
+    job_state: JobState
+
+
+class MetricPoint(_Model):
+    seq: int = 0
+    rank: int
+    step: int
+    time: float
+    values: dict[str, float]
+
+
+class MetricPage(_Model):
+    points: list[MetricPoint]
+    next_after: int
+    job_state: JobState
+
+
+class ArtifactInfo(_Model):
+    path: str
+    size: int
+
+
+# ---------------------------------------------------------------- nodes and agents
+
+
+class NodeRegistration(_Model):
+    name: str
+    address: str = Field(description="host other nodes reach this node's workers at")
+    cpus: float
+    gpus: int = 0
+    gpu_type: str | None = None
+    memory: int = Field(description="bytes")
+    labels: dict[str, str] = Field(default_factory=dict)
+    node_id: str | None = Field(default=None, description="set when re-registering after a restart")
+
+
+class RegisterReply(_Model):
+    node_id: str
+    heartbeat_timeout_s: float
+
+
+class NodeInfo(_Model):
+    id: str
+    name: str
+    address: str
+    state: Literal["READY", "LOST", "DRAINING"]
+    cpus: float
+    gpus: int
+    gpu_type: str | None = None
+    memory: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    used_cpus: float = 0
+    used_gpus: int = 0
+    used_memory: int = 0
+    last_seen: float
+    launches: list[str] = Field(default_factory=list, description="launch ids placed here")
+
+
+class LaunchReport(_Model):
+    """What the agent has for one launch right now (sent with every heartbeat)."""
+
+    launch_id: str
+    state: Literal["preparing", "running", "exited"]
+
+
+class Heartbeat(_Model):
+    launches: list[LaunchReport] = Field(default_factory=list)
+    wait_s: float = Field(default=0.0, ge=0, le=60)
+    known_version: int = Field(default=-1, description="version of the last reply the agent acted on")
+
+
+class LaunchAssignment(_Model):
+    """One torchrun launch of one job attempt on this node.
+
+    Environment the agent gives the workers (besides torchrun's own RANK etc.):
+    RELAY_JOB_ID, RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_JOB_STORE_PREFIX,
+    RELAY_METRICS_DIR, RELAY_STRATEGY (JSON), RELAY_CHECKPOINT (JSON), and ``env``.
+    """
+
+    launch_id: str
+    job_id: str
+    attempt: int
+    desired: Literal["run", "stop"]
+    stop_reason: str | None = None
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    rank_offset: int = Field(description="global rank of this node's local rank 0")
+    master_addr: str | None = Field(default=None, description="None until node 0 reported its port")
+    master_port: int | None = None
+    entrypoint: list[str]
+    bundle: str | None
+    env: dict[str, str] = Field(default_factory=dict)
+    store_url: str
+    job_store_prefix: str
+
+
+class HeartbeatReply(_Model):
+    version: int
+    node_state: Literal["READY", "LOST", "DRAINING"]
+    launches: list[LaunchAssignment]
+
+
+class LaunchStatus(_Model):
+    """Agent -> server: a launch's actual state. ``master_port`` is sent by node 0 once chosen."""
+
+    state: Literal["preparing", "running", "exited"]
+    master_port: int | None = None
+    ranks: list[RankExit] = Field(default_factory=list, description="set when exited")
+    succeeded: bool | None = Field(default=None, description="set when exited")
+    stopped: bool = Field(default=False, description="exited because the server asked it to stop")
+    message: str = ""
+
+
+class LogRecord(_Model):
+    rank: int
+    attempt: int = 0
+    stream: Literal["stdout", "stderr"] = "stdout"
+    seq: int = Field(description="agent-side sequence per (launch, rank, stream): dedups resends")
+    text: str
+
+
+class LogBatch(_Model):
+    launch_id: str
+    records: list[LogRecord]
+
+
+class MetricRecord(_Model):
+    rank: int
+    seq: int = Field(description="line number in the rank's metrics file: dedups resends")
+    step: int
+    time: float
+    values: dict[str, float]
+
+
+class MetricBatch(_Model):
+    launch_id: str
+    records: list[MetricRecord]
