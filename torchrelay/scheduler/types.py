@@ -44,6 +44,9 @@ class Allocation:
     preemptible: bool = True
     started_at: float = 0.0
     max_runtime_s: float | None = None
+    # already asked to stop by an earlier preemption decision: its resources are the first a
+    # preemptor counts on, and it is not listed again in ``Decisions.preemptions``
+    preempting: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class SchedulerInput:
     queue: tuple[QueuedJob, ...]
     now: float = 0.0
     quotas: tuple[tuple[str, Quota], ...] = ()
+    # how many waiting jobs (in queue order) get an ``estimated_start``; bounds the cycle's cost
+    estimate_limit: int = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +98,5 @@ class Decisions:
     waiting: dict[str, str] = field(default_factory=dict)
     # job_id -> estimated start time (same clock as SchedulerInput.now), where known
     estimated_start: dict[str, float] = field(default_factory=dict)
+    # every queued job id in the order the policy considered them (what `relay queue` shows)
+    order: tuple[str, ...] = ()

@@ -1,0 +1,117 @@
+"""Exit-time aborts of 2-rank DDP on gloo: plain torchrun vs the torchrelay launcher's hook.
+
+Runs the same unchanged DDP script (it returns normally after ``destroy_process_group()``,
+without the ``gc.collect()`` that would avoid the abort) N times each way, interleaved so
+both see the same machine load:
+
+- plain:  ``python -m torch.distributed.run --nproc-per-node 2 ... ddp.py``
+- hooked: ``torchrelay.agent.launcher.Launch`` (torchrun + ``torchrelay.agent.worker``)
+
+and counts launches that failed and ranks that died of SIGABRT. For hooked launches it also
+counts aborts that still happened after the script returned (rescued by the supervisor).
+
+    python bench/exit_abort.py [--runs 20]
+
+Ends with ``RESULT {"runs": N, "plain_failed": .., "plain_aborted_ranks": ..,
+"hooked_failed": .., "hooked_aborted_ranks": .., "hooked_rescued_aborts": ..}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from torchrelay import wire
+from torchrelay.agent.launcher import Launch, pick_free_port
+
+DDP_SCRIPT = '''
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(30):
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(f"rank {dist.get_rank()} done, loss {loss.item():.3f}", flush=True)
+dist.destroy_process_group()
+'''
+
+_ABORT_RE = re.compile(r"exitcode\s*:\s*-6\b")
+
+
+def run_plain(workdir: Path) -> tuple[bool, int]:
+    """One plain torchrun launch: (failed, ranks that died of SIGABRT)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(pick_free_port()),
+           "--max-restarts", "0", "ddp.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    output = proc.stdout + proc.stderr
+    return proc.returncode != 0, len(_ABORT_RE.findall(output))
+
+
+def run_hooked(workdir: Path, index: int) -> tuple[bool, int, int]:
+    """One launch through the agent's launcher: (failed, aborted ranks, rescued aborts)."""
+    assignment = wire.LaunchAssignment(
+        launch_id=f"bench-{os.getpid()}-{index}", job_id="bench", attempt=0, desired="run",
+        node_rank=0, nnodes=1, nproc_per_node=2, world_size=2, rank_offset=0,
+        entrypoint=["python", "ddp.py"], bundle=None, store_url=str(workdir / "store"),
+        job_store_prefix="jobs/bench")
+    launch = Launch(assignment, code_dir=workdir, run_dir=workdir / f"run-{index}",
+                    base_env=dict(os.environ, OMP_NUM_THREADS="1"))
+    launch.start("127.0.0.1", pick_free_port())
+    status = launch.wait(timeout=300) or launch.stop(grace_s=5)
+    aborted = sum(1 for r in status.ranks if r.signal == 6 and not r.returned)
+    rescued = sum(1 for r in status.ranks if r.signal == 6 and r.returned)
+    return not status.succeeded, aborted, rescued
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="launches per side (default 20)")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: give at least 1")
+    totals = {"plain_failed": 0, "plain_aborted_ranks": 0, "hooked_failed": 0,
+              "hooked_aborted_ranks": 0, "hooked_rescued_aborts": 0}
+    with tempfile.TemporaryDirectory(prefix="relay-exit-abort-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "ddp.py").write_text(DDP_SCRIPT)
+        print(f"{'run':>4} {'plain':>14} {'hooked':>24}")
+        for index in range(args.runs):
+            started = time.monotonic()
+            p_failed, p_aborts = run_plain(workdir)
+            h_failed, h_aborts, h_rescued = run_hooked(workdir, index)
+            totals["plain_failed"] += p_failed
+            totals["plain_aborted_ranks"] += p_aborts
+            totals["hooked_failed"] += h_failed
+            totals["hooked_aborted_ranks"] += h_aborts
+            totals["hooked_rescued_aborts"] += h_rescued
+            plain = f"{'FAILED' if p_failed else 'ok'}({p_aborts} abrt)"
+            hooked = f"{'FAILED' if h_failed else 'ok'}({h_aborts} abrt, {h_rescued} rescued)"
+            print(f"{index:>4} {plain:>14} {hooked:>24}   {time.monotonic() - started:.1f}s",
+                  flush=True)
+    print(f"plain torchrun: {totals['plain_failed']}/{args.runs} launches failed, "
+          f"{totals['plain_aborted_ranks']} ranks aborted")
+    print(f"relay launcher: {totals['hooked_failed']}/{args.runs} launches failed, "
+          f"{totals['hooked_aborted_ranks']} ranks aborted, "
+          f"{totals['hooked_rescued_aborts']} post-return aborts rescued")
+    print("RESULT " + json.dumps({"runs": args.runs, **totals}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Fixtures that start real torchrelay processes on 127.0.0.1 and always end them.
+
+Every process is started in its own session; teardown signals the whole group and then
+checks that none of its processes is left.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
+
+
+def kill_group(pgid: int, grace_s: float = 5.0) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def relay_home(tmp_path, monkeypatch):
+    home = tmp_path / "relay-home"
+    home.mkdir()
+    monkeypatch.setenv("RELAY_HOME", str(home))
+    monkeypatch.delenv("RELAY_ADDRESS", raising=False)
+    return home
+
+
+@pytest.fixture
+def server(relay_home):
+    """A real `relay server --port 0` process; yields its address."""
+    from torchrelay.home import read_json, server_file
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(relay_home / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "server", "--port", "0"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            info = read_json(server_file(relay_home))
+            if info and info.get("pid") == proc.pid:
+                break
+            assert proc.poll() is None, (relay_home / "server.log").read_text()
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        yield info["address"]
+    finally:
+        kill_group(proc.pid)
+        proc.wait(timeout=10)
+        log.close()
+        assert group_members(proc.pid) == []
+
+
+@pytest.fixture
+def cluster_factory(relay_home):
+    """Start an embedded cluster (server + N agents); stopped and checked at teardown."""
+    from torchrelay.client.cluster import start_cluster, stop_cluster
+
+    started = []
+
+    def make(agents: int = 2, **kw):
+        cluster = start_cluster(agents, home=relay_home, **kw)
+        started.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in started:
+        stop_cluster(cluster.home)
+        for pid in cluster.pids:
+            assert group_members(pid) == [], f"processes left in group {pid}"

@@ -1,0 +1,219 @@
+"""Server rules on a real SQLite file, driven through the service's own API as agents would."""
+import pytest
+
+from torchrelay.errors import NotFound, Unschedulable
+from torchrelay.server.service import ClusterService
+from torchrelay.spec import JobState
+from torchrelay.wire import Heartbeat, LaunchReport, LaunchStatus, LogBatch, LogRecord, MetricBatch, MetricRecord, \
+    NodeRegistration, RankExit
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def svc(tmp_path):
+    clock = Clock()
+    service = ClusterService(f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store"),
+                             heartbeat_timeout_s=10, clock=clock)
+    service.clock_ref = clock
+    yield service
+    service.stop()
+
+
+def add_node(svc, name, cpus=2, memory=8 * 2**30):
+    return svc.register(NodeRegistration(name=name, address="127.0.0.1", cpus=cpus, memory=memory)).node_id
+
+
+def spec(workers=2, **kw):
+    return {"name": "t", "entrypoint": "python train.py", "workers": workers, **kw}
+
+
+def launches_of(svc, node_id):
+    return svc.desired(node_id).launches
+
+
+def exit_launch(svc, launch_id, ok=True, code=0, returned=None):
+    ranks = [RankExit(rank=0, exit_code=code, returned=ok if returned is None else returned, last_lines=["boom"])]
+    svc.launch_status(launch_id, LaunchStatus(state="exited", succeeded=ok, ranks=ranks))
+
+
+def test_submit_place_run_succeed(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=2), None, "alice")
+    assert job.state == JobState.QUEUED and job.user == "alice"
+    svc.tick()
+    assert svc.get_job(job.id).state == JobState.SCHEDULED
+    (launch,) = launches_of(svc, n1)
+    assert launch.nproc_per_node == 2 and launch.world_size == 2 and launch.master_port is None
+    svc.launch_status(launch.launch_id, LaunchStatus(state="preparing", master_port=4242))
+    (launch,) = launches_of(svc, n1)
+    assert launch.master_port == 4242 and launch.master_addr == "127.0.0.1"
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    assert svc.get_job(job.id).state == JobState.RUNNING
+    exit_launch(svc, launch.launch_id)
+    info = svc.get_job(job.id)
+    assert info.state == JobState.SUCCEEDED
+    assert [e.state for e in info.events] == [JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING,
+                                              JobState.SUCCEEDED]
+    assert launches_of(svc, n1) == []  # exited launches are no longer desired
+
+
+def test_gang_spans_nodes_and_failure_stops_peers(svc):
+    n1, n2 = add_node(svc, "a"), add_node(svc, "b")
+    job = svc.submit(spec(workers=4), None, None)
+    svc.tick()
+    (l1,), (l2,) = launches_of(svc, n1), launches_of(svc, n2)
+    assert {l1.node_rank, l2.node_rank} == {0, 1} and l1.world_size == 4
+    assert sorted([l1.rank_offset, l2.rank_offset]) == [0, 2]
+    for launch in (l1, l2):
+        svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    exit_launch(svc, l1.launch_id, ok=False, code=3)
+    (peer,) = launches_of(svc, n2)
+    assert peer.desired == "stop"  # the other node is told to end its workers at once
+    assert svc.get_job(job.id).state == JobState.RUNNING
+    svc.launch_status(l2.launch_id, LaunchStatus(state="exited", succeeded=False, stopped=True,
+                                                 ranks=[RankExit(rank=2, signal=15)]))
+    info = svc.get_job(job.id)
+    assert info.state == JobState.FAILED
+    assert info.failure.rank == 0 and info.failure.exit_code == 3 and info.failure.last_lines == ["boom"]
+
+
+def test_restarts_then_fails_after_max_restarts_plus_one(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, max_restarts=2), None, None)
+    launches = 0
+    for _ in range(5):
+        svc.tick()
+        current = launches_of(svc, n1)
+        if not current:
+            break
+        launches += 1
+        svc.launch_status(current[0].launch_id, LaunchStatus(state="running"))
+        exit_launch(svc, current[0].launch_id, ok=False, code=1)
+    info = svc.get_job(job.id)
+    assert launches == 3 and info.state == JobState.FAILED and info.restarts == 2
+    assert len(info.restart_reasons) == 2 and info.attempt == 3
+
+
+def test_sigabrt_after_return_counts_as_success(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="exited", succeeded=True,
+                                                     ranks=[RankExit(rank=0, signal=6, returned=True)]))
+    assert svc.get_job(job.id).state == JobState.SUCCEEDED
+
+
+def test_cancel_queued_and_running(svc):
+    n1 = add_node(svc, "a", cpus=1)
+    running = svc.submit(spec(workers=1), None, None)
+    queued = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    assert svc.get_job(queued.id).waiting_reason.startswith("resources")
+    assert svc.cancel(queued.id).state == JobState.CANCELLED
+    assert svc.cancel(queued.id).state == JobState.CANCELLED  # idempotent
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    assert svc.cancel(running.id).state == JobState.CANCELLING
+    (launch,) = launches_of(svc, n1)
+    assert launch.desired == "stop" and launch.stop_reason == "job cancelled"
+    svc.launch_status(launch.launch_id, LaunchStatus(state="exited", succeeded=False, stopped=True))
+    assert svc.get_job(running.id).state == JobState.CANCELLED
+
+
+def test_fifo_waits_for_resources_then_starts(svc):
+    n1 = add_node(svc, "a", cpus=2)
+    first = svc.submit(spec(workers=2), None, None)
+    second = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    assert svc.get_job(second.id).state == JobState.QUEUED
+    (launch,) = launches_of(svc, n1)
+    exit_launch(svc, launch.launch_id)
+    svc.tick()
+    assert svc.get_job(first.id).state == JobState.SUCCEEDED
+    assert svc.get_job(second.id).state == JobState.SCHEDULED
+
+
+@pytest.mark.parametrize("bad", [spec(workers=5), spec(workers=1, resources={"cpu": 3}),
+                                 spec(workers=1, resources={"memory": "1TiB"}), spec(workers=1, resources={"gpu": 1})])
+def test_never_fits_is_refused_naming_sizes(svc, bad):
+    add_node(svc, "a", cpus=2)
+    add_node(svc, "b", cpus=2)
+    with pytest.raises(Unschedulable) as err:
+        svc.submit(bad, None, None)
+    assert "can never run here" in str(err.value) and "cpus=4" in str(err.value)
+
+
+def test_unknown_ids(svc):
+    with pytest.raises(NotFound, match="job-99"):
+        svc.get_job("job-99")
+    with pytest.raises(NotFound, match="nonsense"):
+        svc.cancel("nonsense")
+    with pytest.raises(NotFound, match="bundle"):
+        svc.submit(spec(), "ab" * 32, None)
+
+
+def test_lost_node_fails_its_attempt_and_restart_goes_elsewhere(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, max_restarts=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    n2 = add_node(svc, "b")
+    svc.clock_ref.now += 11
+    svc.heartbeat(n2, Heartbeat())
+    svc.tick()  # n1 missed its heartbeats
+    assert {n.name: n.state for n in svc.list_nodes()} == {"a": "LOST", "b": "READY"}
+    svc.tick()
+    info = svc.get_job(job.id)
+    assert info.restarts == 1 and "lost" in info.restart_reasons[0].reason
+    assert launches_of(svc, n2)[0].attempt == 2
+
+
+def test_agent_that_forgot_a_launch_fails_it(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    svc.heartbeat(n1, Heartbeat(launches=[LaunchReport(launch_id=launch.launch_id, state="running")]))
+    assert svc.get_job(job.id).state == JobState.RUNNING
+    svc.heartbeat(n1, Heartbeat(launches=[]))  # e.g. the agent restarted
+    assert svc.get_job(job.id).state == JobState.FAILED
+
+
+def test_logs_and_metrics_resends_are_harmless(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    batch = LogBatch(launch_id=launch.launch_id, records=[LogRecord(rank=0, seq=i, text=f"line {i}") for i in range(3)])
+    assert svc.ingest_logs(job.id, batch) == 3
+    assert svc.ingest_logs(job.id, batch) == 0
+    page = svc.logs(job.id)
+    assert [x.text for x in page.lines] == ["line 0", "line 1", "line 2"]
+    assert svc.logs(job.id, after=page.next_after).lines == []
+    mb = MetricBatch(launch_id=launch.launch_id, records=[
+        MetricRecord(rank=0, seq=i, step=i, time=1.0, values={"loss": 1.0 / (i + 1)}) for i in range(4)])
+    assert svc.ingest_metrics(job.id, mb) == 4 and svc.ingest_metrics(job.id, mb) == 0
+    assert svc.get_job(job.id).last_metrics["step"] == 3
+
+
+def test_state_survives_a_new_service_on_the_same_file(tmp_path):
+    url, store = f"sqlite:///{tmp_path / 's.db'}", str(tmp_path / "store")
+    a = ClusterService(url, store)
+    a.register(NodeRegistration(name="a", address="127.0.0.1", cpus=2, memory=2**30))
+    ids = [a.submit(spec(workers=1), None, None).id for _ in range(3)]
+    a.tick()
+    before = [(j.id, j.state) for j in a.list_jobs()]
+    a.stop()
+    b = ClusterService(url, store)
+    assert [(j.id, j.state) for j in b.list_jobs()] == before and sorted(ids) == sorted(x for x, _ in before)
+    b.stop()

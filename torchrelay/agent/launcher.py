@@ -1,0 +1,476 @@
+"""One torchrun launch of one job attempt on this node: build, start, tail, classify, stop.
+
+Contract:
+- ``build_torchrun_command`` / ``build_worker_env`` / ``worker_argv`` are pure: an assignment
+  in, an argv or environment out. torchrun runs with static rendezvous (``--nnodes``,
+  ``--node-rank``, ``--nproc-per-node``, ``--master-addr``, ``--master-port``,
+  ``--max-restarts 0``); every worker goes through ``torchrelay.agent.worker`` (the exit hook):
+  ``python[3[.X]] X.py ...`` and ``python -m mod ...`` run in-process under the hook; any other
+  entrypoint runs as a program (``--exec``) under the same supervisor, so that every rank
+  gets an exit record, log files and process-group ownership the same way.
+- ``Launch.start`` starts torchrun in a new session (it does not block). Workers live in
+  their own sessions (torchrun puts them there); every process carries ``RELAY_LAUNCH_ID`` in
+  its environment, which is how ``stop`` finds all of them.
+- ``Launch.poll`` / ``wait`` give the final ``wire.LaunchStatus`` once torchrun has exited:
+  per-rank ``RankExit`` (exit code, signal, returned, last 20 lines), ``succeeded`` = every
+  rank's script returned (an abort during teardown after that still counts as success).
+- ``Launch.take_logs`` / ``take_metrics`` return the records written since the last call
+  (thread-safe; lines are complete, the last partial line is sent once the launch exited).
+- ``Launch.stop(grace_s)``: SIGTERM to torchrun (which forwards it to the workers), SIGKILL
+  to everything of the launch after ``grace_s``; returns only when no process is left.
+  Idempotent.
+
+Files under ``run_dir``: ``logs/rank-R.{stdout,stderr}``, ``metrics/rank-R.jsonl``,
+``status/rank-R.json`` (the worker's marker) and ``torchrun.log`` (torchrun's own output).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from torchrelay import wire
+
+log = logging.getLogger(__name__)
+
+LAST_LINES = 20
+MAX_LINE_BYTES = 64 * 1024  # a longer "line" is cut and sent in pieces
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+WORKER_MODULE = "torchrelay.agent.worker"
+
+
+# ---------------------------------------------------------------- pure: commands and env
+
+
+def worker_argv(entrypoint: Sequence[str]) -> list[str]:
+    """Arguments for ``python -m torchrelay.agent.worker`` that run ``entrypoint``.
+
+    ``["python", "train.py", "--lr", "1"]`` -> ``["train.py", "--lr", "1"]``;
+    ``["python3", "-m", "pkg.mod", "x"]`` -> ``["-m", "pkg.mod", "x"]``;
+    ``["python", "-u", "train.py"]`` -> ``["train.py"]`` (workers are unbuffered anyway);
+    anything else -> ``["--exec", *entrypoint]``. Raises ``ValueError`` on an empty one.
+    """
+    argv = list(entrypoint)
+    if not argv or not argv[0]:
+        raise ValueError(f"entrypoint {entrypoint!r} is empty; give e.g. ['python', 'train.py']")
+    if not _PYTHON_RE.match(os.path.basename(argv[0])):
+        return ["--exec", *argv]
+    rest = argv[1:]
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return ["-m", *rest[1:]]
+    if rest and not rest[0].startswith("-"):
+        return rest
+    # `python -c ...`, `python -O x.py`, bare `python`: not a script we can host; run as is
+    return ["--exec", *argv]
+
+
+def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: str,
+                           master_port: int, python: str = sys.executable,
+                           shutdown_timeout_s: int = 10) -> list[str]:
+    """The torchrun argv for ``assignment`` (pure)."""
+    if not master_addr:
+        raise ValueError(f"master_addr {master_addr!r} is empty; node 0's address is needed")
+    if not 0 < int(master_port) < 65536:
+        raise ValueError(f"master_port {master_port!r} is not a TCP port (1..65535)")
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(assignment.nnodes),
+        "--node-rank", str(assignment.node_rank),
+        "--nproc-per-node", str(assignment.nproc_per_node),
+        "--master-addr", master_addr,
+        "--master-port", str(master_port),
+        "--max-restarts", "0",
+        "--shutdown-timeout", str(int(shutdown_timeout_s)),
+        "-m", WORKER_MODULE, *worker_argv(assignment.entrypoint),
+    ]
+
+
+def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str, str],
+                     run_dir: Path, relay_address: str) -> dict[str, str]:
+    """torchrun's environment (it passes it on to every worker) (pure).
+
+    ``base_env`` + ``assignment.env`` + the ``RELAY_*`` variables; ``OMP_NUM_THREADS``
+    defaults to 1 unless either of the first two sets it.
+    """
+    env = dict(base_env)
+    env.update(assignment.env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({
+        "RELAY_JOB_ID": assignment.job_id,
+        "RELAY_ATTEMPT": str(assignment.attempt),
+        "RELAY_LAUNCH_ID": assignment.launch_id,
+        "RELAY_ADDRESS": relay_address,
+        "RELAY_STORE_URL": assignment.store_url,
+        "RELAY_JOB_STORE_PREFIX": assignment.job_store_prefix,
+        "RELAY_METRICS_DIR": str(run_dir / "metrics"),
+        "RELAY_RANK_STATUS_DIR": str(run_dir / "status"),
+        "RELAY_LOG_DIR": str(run_dir / "logs"),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS says is free on ``host`` right now (bind port 0, read it, release)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def describe_rank(exit_: wire.RankExit) -> str:
+    """Short human form: 'rank 1: exit code 3', 'rank 0: signal 9 (SIGKILL)'."""
+    if exit_.returned:
+        how = "returned"
+        if exit_.signal is not None:
+            how += f" (then signal {exit_.signal} during shutdown)"
+    elif exit_.signal is not None:
+        how = f"signal {exit_.signal} ({_signal_name(exit_.signal)})"
+    elif exit_.exit_code is not None:
+        how = f"exit code {exit_.exit_code}"
+    else:
+        how = "no exit record (never started or killed with its supervisor)"
+    return f"rank {exit_.rank}: {how}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+def classify_exit(ranks: Sequence[int], markers: Mapping[int, dict],
+                  last_lines: Mapping[int, Sequence[str]]) -> tuple[list[wire.RankExit], bool]:
+    """Per-rank exits and whether the launch succeeded (pure).
+
+    ``markers`` maps a global rank to its worker marker (see ``torchrelay.agent.worker``);
+    a missing one means the rank never ended through the hook. Succeeded = every rank's
+    script returned. Order: failed ranks first, earliest failure first (the root cause
+    before the ranks torn down because of it), then the others by rank.
+    """
+    exits = []
+    for rank in ranks:
+        marker = markers.get(rank) or {}
+        exits.append((marker.get("ended_at"), wire.RankExit(
+            rank=rank,
+            exit_code=marker.get("exit_code"),
+            signal=marker.get("signal"),
+            returned=bool(marker.get("returned")),
+            last_lines=list(last_lines.get(rank, ()))[-LAST_LINES:],
+        )))
+    failed = [(t, e) for t, e in exits if not e.returned]
+    failed.sort(key=lambda pair: (pair[0] is None, pair[0] or 0.0, pair[1].rank))
+    others = [e for _, e in exits if e.returned]
+    return [e for _, e in failed] + others, bool(exits) and not failed
+
+
+# ---------------------------------------------------------------- tailing files
+
+
+class LineTailer:
+    """Complete lines appended to a file since the last read (the file may not exist yet)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self, final: bool = False) -> list[str]:
+        """New complete lines; with ``final`` also the unterminated rest. Never raises on I/O."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except OSError:
+            data = b""
+        self._offset += len(data)
+        data = self._partial + data
+        pieces = data.split(b"\n")
+        self._partial = pieces.pop()
+        while len(self._partial) > MAX_LINE_BYTES:
+            pieces.append(self._partial[:MAX_LINE_BYTES])
+            self._partial = self._partial[MAX_LINE_BYTES:]
+        if final and self._partial:
+            pieces.append(self._partial)
+            self._partial = b""
+        return [p.rstrip(b"\r").decode("utf-8", errors="replace") for p in pieces]
+
+
+def parse_metric_line(line: str, *, rank: int, seq: int) -> wire.MetricRecord | None:
+    """A ``MetricRecord`` from one JSON line ``{"step", "time", "values"}``; None if malformed."""
+    try:
+        data = json.loads(line)
+        return wire.MetricRecord(rank=rank, seq=seq, step=int(data["step"]),
+                                 time=float(data["time"]),
+                                 values={str(k): float(v) for k, v in data["values"].items()})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------- processes
+
+
+def find_launch_processes(launch_id: str) -> list[int]:
+    """Pids of live processes whose environment has ``RELAY_LAUNCH_ID=<launch_id>``.
+
+    Reads ``/proc/*/environ`` (own processes only are readable); zombies have none.
+    """
+    needle = f"RELAY_LAUNCH_ID={launch_id}".encode()
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pids(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---------------------------------------------------------------- the launch
+
+
+class Launch:
+    """One torchrun launch: ``start`` it, ``take_logs``/``take_metrics`` while it runs,
+    ``poll``/``wait`` for its ``wire.LaunchStatus``, ``stop`` it.
+
+    ``code_dir`` is the unpacked bundle (the workers' working directory); ``run_dir`` holds
+    logs, metrics and markers (created here).
+    """
+
+    def __init__(self, assignment: wire.LaunchAssignment, *, code_dir: Path, run_dir: Path,
+                 relay_address: str = "", python: str = sys.executable,
+                 base_env: Mapping[str, str] | None = None):
+        self.assignment = assignment
+        self.code_dir = Path(code_dir)
+        self.run_dir = Path(run_dir)
+        self.relay_address = relay_address
+        self.python = python
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.ranks = range(assignment.rank_offset, assignment.rank_offset + assignment.nproc_per_node)
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.RLock()
+        self._stopped = False
+        self._status: wire.LaunchStatus | None = None
+        self._log_tailers = {(rank, stream): LineTailer(self.run_dir / "logs" / f"rank-{rank}.{stream}")
+                             for rank in self.ranks for stream in ("stdout", "stderr")}
+        self._log_seq = {key: 0 for key in self._log_tailers}
+        self._metric_tailers = {rank: LineTailer(self.run_dir / "metrics" / f"rank-{rank}.jsonl")
+                                for rank in self.ranks}
+        self._metric_seq = {rank: 0 for rank in self.ranks}
+        self._last_lines = {rank: collections.deque(maxlen=LAST_LINES) for rank in self.ranks}
+        self._pending_logs: list[wire.LogRecord] = []
+        self._pending_metrics: list[wire.MetricRecord] = []
+
+    @property
+    def launch_id(self) -> str:
+        return self.assignment.launch_id
+
+    @property
+    def started(self) -> bool:
+        return self._proc is not None
+
+    @property
+    def torchrun_pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self, master_addr: str, master_port: int) -> list[str]:
+        return build_torchrun_command(self.assignment, master_addr=master_addr,
+                                      master_port=master_port, python=self.python)
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """Start torchrun in a new session; does not block. Raises ``RuntimeError`` if
+        already started or stopped, ``OSError`` if the process cannot be started."""
+        with self._lock:
+            if self._proc is not None or self._stopped:
+                raise RuntimeError(f"launch {self.launch_id} was already started or stopped")
+            for sub in ("logs", "metrics", "status"):
+                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+            env = build_worker_env(self.assignment, base_env=self.base_env, run_dir=self.run_dir,
+                                   relay_address=self.relay_address)
+            cmd = self.command(master_addr, master_port)
+            with open(self.run_dir / "torchrun.log", "ab") as out:
+                out.write(f"$ {shlex.join(cmd)}\n".encode())
+                out.flush()
+                self._proc = subprocess.Popen(cmd, cwd=self.code_dir, env=env, stdin=subprocess.DEVNULL,
+                                              stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+
+    # -------------------------------------------------------------- logs and metrics
+
+    def _read_files(self, final: bool) -> None:
+        for (rank, stream), tailer in self._log_tailers.items():
+            for text in tailer.read(final=final):
+                self._pending_logs.append(wire.LogRecord(
+                    rank=rank, attempt=self.assignment.attempt, stream=stream,
+                    seq=self._log_seq[(rank, stream)], text=text))
+                self._log_seq[(rank, stream)] += 1
+                self._last_lines[rank].append(text)
+        for rank, tailer in self._metric_tailers.items():
+            for line in tailer.read(final=final):
+                seq = self._metric_seq[rank]
+                self._metric_seq[rank] += 1
+                record = parse_metric_line(line, rank=rank, seq=seq)
+                if record is None:
+                    log.warning("launch %s rank %d: metrics line %d is not "
+                                '{"step": int, "time": float, "values": {...}}: %.200s',
+                                self.launch_id, rank, seq, line)
+                else:
+                    self._pending_metrics.append(record)
+
+    def take_logs(self) -> list[wire.LogRecord]:
+        """Log records written since the last call (thread-safe, does not block)."""
+        with self._lock:
+            self._read_files(final=self._status is not None)
+            records, self._pending_logs = self._pending_logs, []
+            return records
+
+    def take_metrics(self) -> list[wire.MetricRecord]:
+        """Metric records written since the last call (thread-safe, does not block)."""
+        with self._lock:
+            self._read_files(final=self._status is not None)
+            records, self._pending_metrics = self._pending_metrics, []
+            return records
+
+    # -------------------------------------------------------------- exit
+
+    def _markers(self) -> dict[int, dict]:
+        markers = {}
+        for rank in self.ranks:
+            try:
+                markers[rank] = json.loads((self.run_dir / "status" / f"rank-{rank}.json").read_text())
+            except (OSError, ValueError):
+                pass
+        return markers
+
+    def _torchrun_tail(self, lines: int = LAST_LINES) -> list[str]:
+        try:
+            text = (self.run_dir / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+    def _finish(self, returncode: int | None) -> wire.LaunchStatus:
+        self._read_files(final=True)
+        ranks, succeeded = classify_exit(self.ranks, self._markers(), self._last_lines)
+        if succeeded:
+            message = f"all {len(ranks)} ranks returned"
+        else:
+            failures = [describe_rank(r) for r in ranks if not r.returned]
+            message = "; ".join(failures[:4])
+            if self._stopped:
+                message = "stopped: " + message
+            if all(r.exit_code is None and r.signal is None for r in ranks):
+                message += f"; torchrun exited with {returncode}: " + " | ".join(self._torchrun_tail(8))
+        return wire.LaunchStatus(state="exited", ranks=ranks, succeeded=succeeded,
+                                 stopped=self._stopped, message=message)
+
+    def poll(self) -> wire.LaunchStatus | None:
+        """The final status once torchrun has exited, else None (does not block)."""
+        with self._lock:
+            if self._status is not None:
+                return self._status
+            if self._proc is None:
+                if self._stopped:
+                    self._status = self._finish(None)
+                return self._status
+            returncode = self._proc.poll()
+            if returncode is None:
+                return None
+            self._status = self._finish(returncode)
+            return self._status
+
+    def wait(self, timeout: float | None = None) -> wire.LaunchStatus | None:
+        """Block until torchrun exits and return the final status (None after ``timeout`` s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.poll()
+            if status is not None:
+                return status
+            step = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if step <= 0:
+                return None
+            if self._proc is None:
+                time.sleep(step)
+                continue
+            try:
+                self._proc.wait(timeout=step)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def remaining_processes(self) -> list[int]:
+        """Live pids of this launch (torchrun, supervisors, scripts and their children)."""
+        pids = set(find_launch_processes(self.launch_id))
+        if self._proc is not None and self._proc.poll() is None:
+            pids.add(self._proc.pid)
+        return sorted(pids)
+
+    def stop(self, grace_s: float = 10.0) -> wire.LaunchStatus:
+        """SIGTERM the launch, SIGKILL what is left after ``grace_s``; blocks until no process
+        of the launch is left. Idempotent; returns the final status (``stopped`` is set when
+        this call ended a launch that had not exited yet)."""
+        with self._lock:
+            if self.poll() is not None:
+                # torchrun is gone; make sure nothing it left behind survives
+                self._kill_leftovers(grace_s)
+                return self._status
+            self._stopped = True
+            proc = self._proc
+        deadline = time.monotonic() + max(grace_s, 0.0)
+        if proc is not None:
+            # torchrun forwards SIGTERM to each worker's session and waits for them.
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(grace_s, 0.0))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._kill_leftovers(max(0.0, deadline - time.monotonic()))
+        status = self.poll()
+        assert status is not None
+        return status
+
+    def _kill_leftovers(self, grace_s: float) -> None:
+        """SIGTERM processes still tagged with this launch, SIGKILL them after ``grace_s``."""
+        left = find_launch_processes(self.launch_id)
+        if not left:
+            return
+        _signal_pids(left, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while left:
+            if time.monotonic() >= deadline:
+                _signal_pids(left, signal.SIGKILL)
+            time.sleep(0.05)
+            left = find_launch_processes(self.launch_id)

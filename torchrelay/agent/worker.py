@@ -1,0 +1,334 @@
+"""Worker exit hook: run a user's script unchanged, and end the process before teardown can abort.
+
+Usage (what the launcher puts after torchrun's ``-m``)::
+
+    python -m torchrelay.agent.worker SCRIPT.py ARGS...      # like `python SCRIPT.py ARGS...`
+    python -m torchrelay.agent.worker -m MODULE ARGS...      # like `python -m MODULE ARGS...`
+    python -m torchrelay.agent.worker --exec PROGRAM ARGS... # any other program (no hook)
+
+Why: with torch's gloo backend a rank sometimes dies with SIGABRT ("terminate called without
+an active exception") during interpreter teardown, after the script has returned (DESIGN.md
+section 6). torchrun then calls a finished job failed. This module makes "the script returned"
+the definition of success, for scripts that know nothing about torchrelay.
+
+How, in two layers:
+
+1. A small **supervisor** (this process; stdlib only, torch is never imported here) forks the
+   **script process**, forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to it and reaps it.
+2. The script process runs the script with ``runpy`` as ``__main__`` (``sys.argv`` and
+   ``sys.path[0]`` as ``python SCRIPT.py`` / ``python -m MODULE`` would set them). When the
+   script returns (or raises ``SystemExit`` with 0/None) it records ``returned`` in the rank
+   marker, then does what interpreter shutdown would do that users rely on: waits for
+   non-daemon threads, runs the atexit handlers, flushes stdio, ``gc.collect()`` (DDP's reducer
+   sits in a reference cycle; collecting it while everything is still alive is what keeps
+   gloo quiet), and ends with ``os._exit(0)``, so the teardown where gloo aborts never runs.
+   If something still aborts during those steps, the supervisor sees a signal *after* the
+   marker said ``returned`` and exits 0 for the rank: a rank whose script returned succeeds.
+   A script that raises, or exits non-zero, prints its traceback and exits with its code
+   (1 for an exception); a script process killed by a signal before returning makes the
+   supervisor exit ``128 + signal``; both are failures.
+
+Rank marker ``$RELAY_RANK_STATUS_DIR/rank-$RANK.json`` (only when that variable is set):
+written by the script process as ``{"returned": bool, "exit_code": int}`` when the script
+ends, then rewritten by the supervisor, once the script process is reaped, as
+``{"returned": bool, "exit_code": int|null, "signal": int|null, "final": true,
+"script_exit_code": int|null, "pid": int, "ended_at": float}`` where ``exit_code``/``signal`` describe how the
+script process really ended (``signal`` set when it was killed, e.g. 6 for an abort during
+teardown). In ``--exec`` mode ``returned`` means "exited 0". Markers are written atomically
+(temporary file + rename).
+
+Output: when ``$RELAY_LOG_DIR`` is set, the supervisor sends its and the script's stdout and
+stderr to ``$RELAY_LOG_DIR/rank-$RANK.stdout`` / ``.stderr`` (append), which the launcher tails.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                     signal.SIGUSR1, signal.SIGUSR2)
+USAGE = ("usage: python -m torchrelay.agent.worker SCRIPT.py ARGS... | -m MODULE ARGS... "
+         "| --exec PROGRAM ARGS...")
+
+
+class UsageError(ValueError):
+    """The worker's own command line is malformed (names what was given)."""
+
+
+def parse_target(argv: list[str]) -> tuple[str, str, list[str]]:
+    """``(kind, target, args)`` from the worker's argv (without the program name).
+
+    ``kind`` is "script", "module" or "exec". Raises ``UsageError`` on an empty target.
+    """
+    if not argv:
+        raise UsageError(f"no script given; {USAGE}")
+    head = argv[0]
+    if head in ("-m", "--exec"):
+        if len(argv) < 2 or not argv[1]:
+            raise UsageError(f"{head} needs a {'module' if head == '-m' else 'program'}; {USAGE}")
+        return ("module" if head == "-m" else "exec"), argv[1], argv[2:]
+    if head.startswith("-m") and len(head) > 2:  # `-mpkg.mod`, as python accepts it
+        return "module", head[2:], argv[1:]
+    if head.startswith("-"):
+        raise UsageError(f"unknown option {head!r}; {USAGE}")
+    return "script", head, argv[1:]
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The process exit code Python would use for an uncaught ``SystemExit``."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF  # as the OS reports it: sys.exit(-1) is 255
+    return 1  # a message: Python prints it and exits 1
+
+
+def decode_wait_status(status: int) -> tuple[int | None, int | None]:
+    """``(exit_code, signal)`` from an ``os.waitpid`` status; exactly one is set."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status), None
+
+
+def final_marker(script_marker: dict | None, exit_code: int | None, sig: int | None,
+                 *, exec_mode: bool) -> dict:
+    """The supervisor's verdict for one rank (pure).
+
+    ``script_marker`` is what the script process wrote (None if it never did: killed or
+    crashed before its script ended); ``exit_code``/``sig`` is how the process really ended.
+    """
+    if exec_mode:
+        returned = exit_code == 0
+        script_code = exit_code
+    else:
+        returned = bool(script_marker and script_marker.get("returned"))
+        script_code = script_marker.get("exit_code") if script_marker else None
+    return {"returned": returned, "exit_code": exit_code, "signal": sig, "final": True,
+            "script_exit_code": script_code}
+
+
+def supervisor_exit_code(marker: dict) -> int:
+    """What the supervisor exits with: 0 for a returned script, else the failure's code."""
+    if marker["returned"]:
+        return 0
+    if marker["signal"] is not None:
+        return 128 + marker["signal"]
+    code = marker["exit_code"]
+    return code if code else 1
+
+
+# ---------------------------------------------------------------- markers and output
+
+
+def _marker_path() -> str | None:
+    directory = os.environ.get("RELAY_RANK_STATUS_DIR")
+    if not directory:
+        return None
+    return os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}.json")
+
+
+def write_marker(data: dict) -> None:
+    """Atomically write the rank marker, if ``RELAY_RANK_STATUS_DIR`` is set. Never raises."""
+    path = _marker_path()
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError as exc:  # a marker we cannot write must not change the rank's outcome
+        print(f"torchrelay worker: cannot write rank marker {path}: {exc}", file=sys.stderr)
+
+
+def read_marker() -> dict | None:
+    path = _marker_path()
+    if path is None:
+        return None
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _redirect_output() -> None:
+    """Point fds 1 and 2 at the rank's log files when ``RELAY_LOG_DIR`` is set."""
+    directory = os.environ.get("RELAY_LOG_DIR")
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        target = os.open(os.path.join(directory, f"rank-{rank}.{stream}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+# ---------------------------------------------------------------- the script process
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the supervisor dies (best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _user_traceback(exc: BaseException):
+    """The traceback without the frames of this module and runpy (what `python x.py` shows)."""
+    import runpy
+
+    hidden = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename not in hidden and os.path.abspath(filename) not in hidden:
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _finish(code: int, keep_alive: object = None) -> None:
+    """Shutdown without interpreter teardown: threads, atexit, flush, gc, ``os._exit``.
+
+    ``keep_alive`` (the script's globals) is only held so that nothing in it is finalised.
+    """
+    try:
+        shutdown_threads = getattr(threading, "_shutdown", None)
+        if shutdown_threads is not None:  # waits for non-daemon threads, as Py_Finalize does
+            shutdown_threads()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        gc.collect()
+        os._exit(code)
+
+
+def run_script(kind: str, target: str, args: list[str]) -> None:
+    """Run the user's script as ``__main__`` in this process; never returns."""
+    import runpy
+
+    if kind == "script":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    else:
+        sys.argv = [target, *args]  # run_module replaces argv[0] with the module's file
+    # The script's globals stay referenced until os._exit, as they would under `python x.py`:
+    # runpy drops its temporary __main__ on return, and freeing a DDP model or a process
+    # group there is just the kind of finalisation that can abort.
+    script_globals = None
+    try:
+        if kind == "script":
+            script_globals = runpy.run_path(target, run_name="__main__")
+        else:
+            script_globals = runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exit_code_of(exc)
+        if code != 0 and exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        write_marker({"returned": code == 0, "exit_code": code})
+        _finish(code)
+    except BaseException as exc:  # noqa: BLE001 - any other escape is the script failing
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        write_marker({"returned": False, "exit_code": code})
+        traceback.print_exception(type(exc), exc, _user_traceback(exc), file=sys.stderr)
+        _finish(code)
+    # Recorded before the shutdown steps: an abort inside them happens after the script returned.
+    write_marker({"returned": True, "exit_code": 0})
+    _finish(0, keep_alive=script_globals)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+def supervise(kind: str, target: str, args: list[str]) -> int:
+    """Fork the script process, forward signals, reap it, write the final marker.
+
+    Returns the supervisor's exit code (``supervisor_exit_code``).
+    """
+    path = _marker_path()
+    if path is not None:
+        try:
+            os.remove(path)  # a marker left by an earlier run must not speak for this one
+        except FileNotFoundError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        try:
+            _die_with_parent()
+            if kind == "exec":
+                os.execvp(target, [target, *args])
+            run_script(kind, target, args)
+        except BaseException as exc:  # noqa: BLE001 - e.g. exec of a missing program
+            print(f"torchrelay worker: cannot start {target!r}: {exc}", file=sys.stderr)
+            sys.stderr.flush()
+        os._exit(127)
+
+    def forward(signum, _frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:  # cannot happen for our own child, but never spin
+            status = 0
+            break
+        except InterruptedError:
+            continue
+    exit_code, sig = decode_wait_status(status)
+    marker = final_marker(read_marker(), exit_code, sig, exec_mode=(kind == "exec"))
+    marker["pid"] = child
+    marker["ended_at"] = time.time()
+    write_marker(marker)
+    if marker["returned"] and sig is not None:
+        print(f"torchrelay worker: rank {os.environ.get('RANK', '?')} script returned; "
+              f"process then died of signal {sig} during shutdown; counted as success",
+              file=sys.stderr)
+    return supervisor_exit_code(marker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        kind, target, args = parse_target(argv)
+    except UsageError as exc:
+        print(f"torchrelay worker: {exc}", file=sys.stderr)
+        return 2
+    _redirect_output()
+    return supervise(kind, target, args)
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    os._exit(main())  # the supervisor never imported torch; skip teardown all the same

@@ -1,0 +1,44 @@
+"""`relay agent`: run a node agent in the foreground."""
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import typer
+
+from torchrelay.client.cli.common import fail, handle_errors
+
+
+@handle_errors
+def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", help="server URL"),
+          name: str = typer.Option(None, help="node name (default: host name)"),
+          host: str = typer.Option("127.0.0.1", help="address other nodes reach this node's workers at"),
+          cpus: float = typer.Option(None, help="cpus to offer (default: all)"),
+          gpus: int = typer.Option(None, help="gpus to offer (default: all found)"),
+          memory: str = typer.Option(None, help="memory to offer, e.g. 16GiB (default: all)"),
+          work_dir: Path = typer.Option(None, help="bundle cache and launch folders (default: RELAY_HOME/agents/NAME)"),
+          label: list[str] = typer.Option([], "--label", help="node label key=value (repeatable)")) -> None:
+    """Run an agent: register with the server, start and watch this node's workers."""
+    from torchrelay.agent.daemon import Agent
+    from torchrelay.home import relay_home
+    from torchrelay.spec import parse_memory
+
+    labels = {}
+    for item in label:
+        if "=" not in item:
+            fail(f"--label {item!r} is not key=value")
+        k, v = item.split("=", 1)
+        labels[k] = v
+    name = name or socket.gethostname()
+    node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus,
+                 memory=parse_memory(memory) if memory else None,
+                 work_dir=work_dir or relay_home() / "agents" / name, labels=labels)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        node.run(stop)
+    finally:
+        node.close()

@@ -1,0 +1,83 @@
+"""`relay ls`, `relay status JOB`, `relay cancel JOB`: list, inspect and cancel jobs."""
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.table import Table
+
+from torchrelay.client.cli.common import (OutputOpt, Output, ago, client, console, dump, duration, handle_errors,
+                                          print_json, styled_state)
+
+
+@handle_errors
+def ls(state: str = typer.Option(None, "--state", help="only these states, comma-separated"),
+       limit: int = typer.Option(50, "--limit", "-n"), output: Output = OutputOpt) -> None:
+    """List jobs, newest first; waiting jobs say why they wait."""
+    with client() as c:
+        jobs = c.jobs(state, limit)
+    if output == Output.json:
+        return print_json(dump(jobs))
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "USER", "STATE", "WORKERS", "SUBMITTED", "DURATION", "NOTE"):
+        table.add_column(col)
+    for j in jobs:
+        took = None
+        if j.started_at:
+            took = (j.finished_at or time.time()) - j.started_at
+        note = j.waiting_reason or (j.failure.reason if j.failure and j.state.value == "FAILED" else "")
+        if j.restarts:
+            note = f"{j.restarts} restart(s) {note}".strip()
+        table.add_row(j.id, j.name, j.user or "", styled_state(j.state.value), str(j.spec.get("workers")),
+                      ago(j.submitted_at), duration(took), note)
+    console.print(table)
+
+
+@handle_errors
+def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> None:
+    """Show a job: state, placement, restarts, failure (rank, exit code, last lines), metrics, events."""
+    with client() as c:
+        j = c.job(job_id)
+    if output == Output.json:
+        return print_json(dump(j))
+    console.print(f"[bold]{j.id}[/] {j.name}  {styled_state(j.state.value)}  user={j.user}  "
+                  f"attempt={j.attempt} restarts={j.restarts}")
+    spec = j.spec
+    console.print(f"  entrypoint: {spec['entrypoint']}", markup=False, highlight=False)
+    console.print(f"  workers: {spec['workers']}  strategy: {spec['strategy']['kind']}  "
+                  f"priority: {j.priority}  max_restarts: {spec.get('max_restarts', 0)}")
+    if j.placement:
+        console.print("  placement: " + ", ".join(f"{p.node_name} (node rank {p.node_rank}) × {p.workers}"
+                                                  for p in j.placement))
+    if j.waiting_reason:
+        console.print(f"  waiting: {j.waiting_reason}")
+    if j.last_metrics:
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in j.last_metrics.items() if k != "time")
+        console.print(f"  last metrics: {shown}", highlight=False)
+    for i, r in enumerate(j.restart_reasons, 1):
+        console.print(f"  restart {i}: {r.reason}" + (f" on {r.node}" if r.node else ""), highlight=False)
+    if j.failure and j.state.value in ("FAILED", "RESTARTING"):
+        f = j.failure
+        console.print(f"  [red]failure: {f.reason}[/]" + (f" on node {f.node}" if f.node else "")
+                      + (f" (exit code {f.exit_code})" if f.exit_code is not None else ""), highlight=False)
+        for line in f.last_lines[-20:]:
+            console.print(f"    | {line}", markup=False, highlight=False)
+    if j.events:
+        console.print("  events:")
+        for e in j.events:
+            console.print(f"    {time.strftime('%H:%M:%S', time.localtime(e.time))} {e.state.value:<10} {e.message}",
+                          markup=False, highlight=False)
+
+
+@handle_errors
+def cancel(job_id: str = typer.Argument(...), wait: bool = typer.Option(True, help="wait until it has stopped"),
+           output: Output = OutputOpt) -> None:
+    """Cancel a job (idempotent): its workers are ended on every node."""
+    with client() as c:
+        info = c.cancel(job_id)
+        if wait:
+            info = c.wait(job_id, timeout=60)
+    if output == Output.json:
+        return print_json(dump(info))
+    console.print(f"{info.id} {styled_state(info.state.value)}")

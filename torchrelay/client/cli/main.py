@@ -1,0 +1,30 @@
+"""The `relay` command: one module per verb, each a thin call of the SDK."""
+from __future__ import annotations
+
+import typer
+
+from torchrelay.client.cli import agent, download, jobs, logs, metrics, nodes, run, server, submit, up
+
+app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.command("up")(up.up)
+app.command("down")(up.down)
+app.command("server")(server.server)
+app.command("agent")(agent.agent)
+app.command("submit")(submit.submit)
+app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run.run)
+app.command("ls")(jobs.ls)
+app.command("status")(jobs.status)
+app.command("cancel")(jobs.cancel)
+app.command("logs")(logs.logs)
+app.command("metrics")(metrics.metrics)
+app.command("download")(download.download)
+app.command("nodes")(nodes.nodes)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""`relay nodes`: the cluster's nodes with free and used resources."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from torchrelay.client.cli.common import OutputOpt, Output, ago, client, console, dump, handle_errors, print_json
+from torchrelay.spec import format_memory
+
+
+@handle_errors
+def nodes(output: Output = OutputOpt) -> None:
+    """List nodes: state, cpus/gpus/memory used of total, launches."""
+    with client() as c:
+        found = c.nodes()
+    if output == Output.json:
+        return print_json(dump(found))
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "ADDRESS", "STATE", "CPUS", "GPUS", "MEMORY", "LAUNCHES", "SEEN"):
+        table.add_column(col)
+    for n in found:
+        gpus = f"{n.used_gpus}/{n.gpus}" + (f" {n.gpu_type}" if n.gpu_type else "")
+        table.add_row(n.id, n.name, n.address, n.state, f"{n.used_cpus:g}/{n.cpus:g}", gpus,
+                      f"{format_memory(n.used_memory)}/{format_memory(n.memory)}", str(len(n.launches)),
+                      ago(n.last_seen))
+    console.print(table)

@@ -1,0 +1,42 @@
+"""`relay submit JOB.yaml`: submit a job spec; prints the job id."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from torchrelay.client.cli.common import OutputOpt, Output, client, console, dump, fail, handle_errors, print_json
+
+
+@handle_errors
+def submit(spec_file: Path = typer.Argument(..., help="job spec (YAML)"),
+           set_: list[str] = typer.Option([], "--set", help="override a field: key=value, key.sub=value"),
+           follow_: bool = typer.Option(False, "--follow", "-f", help="stream logs and progress until it ends"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved spec, submit nothing"),
+           output: Output = OutputOpt) -> None:
+    """Submit a job; its workdir (relative to the spec file) is packed and uploaded."""
+    from torchrelay.spec import JobSpec
+
+    if not spec_file.is_file():
+        fail(f"spec file {str(spec_file)!r} does not exist")
+    spec = JobSpec.from_yaml_text(spec_file.read_text(), set_)
+    if dry_run:
+        if output == Output.json:
+            print_json(spec.to_public())
+        else:
+            import yaml
+            console.print(yaml.safe_dump(spec.to_public(), sort_keys=False), markup=False, highlight=False)
+        return
+    with client() as c:
+        info = c.submit(spec, base_dir=spec_file.resolve().parent)
+        if output == Output.json and not follow_:
+            print_json(dump(info))
+        else:
+            print(info.id, flush=True)
+        if follow_:
+            from torchrelay.client.cli.follow import follow, print_outcome
+
+            final = follow(c, info.id)
+            print_outcome(final)
+            if final.state.value != "SUCCEEDED":
+                raise typer.Exit(1)

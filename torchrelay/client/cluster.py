@@ -1,0 +1,166 @@
+"""The embedded cluster: a server and N agents as child processes on this machine.
+
+Contract: ``start_cluster`` starts each part in its own process session (so the part and
+everything it starts can be ended as one group), waits until the server answers and every
+agent registered, and records pids in ``<RELAY_HOME>/cluster.json``. ``stop_cluster`` ends
+them (SIGTERM to each group, SIGKILL after a grace) and is idempotent. Nothing is left
+running; nothing outside ``RELAY_HOME`` is touched.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchrelay.errors import ServerUnavailable
+from torchrelay.home import cluster_file, read_json, relay_home, server_file, write_json
+
+
+@dataclass
+class Cluster:
+    home: Path
+    address: str
+    pids: list[int] = field(default_factory=list)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_cluster(self.home, grace_s)
+
+
+def _spawn(argv: list[str], home: Path, log_name: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RELAY_HOME": str(home), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env.pop("RELAY_ADDRESS", None)
+    with open(logs / f"{log_name}.log", "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(home))
+
+
+def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
+                  heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0) -> Cluster:
+    """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable."""
+    from torchrelay.client.sdk import RelayClient
+
+    home = (home or relay_home()).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    existing = read_json(cluster_file(home))
+    if existing and any(_alive(p) and _proc_start(p) in existing.get("starts", []) for p in existing.get("pids", [])):
+        raise ServerUnavailable(f"an embedded cluster already runs from {home} (pids {existing['pids']}); "
+                                "`relay down` stops it, or set RELAY_HOME to another folder")
+    server_file(home).unlink(missing_ok=True)
+    cli = [sys.executable, "-m", "torchrelay.client.cli.main"]
+    server = _spawn([*cli, "server", "--port", "0", "--heartbeat-timeout", str(heartbeat_timeout_s)], home, "server")
+    pids = [server.pid]
+    write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
+    try:
+        address = _wait_for_server(home, server, timeout_s)
+        for i in range(agents):
+            argv = [*cli, "agent", "--address", address, "--name", f"agent-{i}",
+                    "--work-dir", str(home / "agents" / f"agent-{i}")]
+            if agent_cpus is not None:
+                argv += ["--cpus", str(agent_cpus)]
+            pids.append(_spawn(argv, home, f"agent-{i}").pid)
+            write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
+                                            "started_at": time.time()})
+        with RelayClient(address) as client:
+            client.wait_for_nodes(agents, timeout=timeout_s)
+    except BaseException:
+        stop_cluster(home)
+        raise
+    return Cluster(home=home, address=address, pids=pids)
+
+
+def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = (home / "logs" / "server.log").read_text(errors="replace")[-2000:]
+            raise ServerUnavailable(f"the server exited with code {proc.returncode} while starting:\n{log}")
+        info = read_json(server_file(home))
+        if info and info.get("pid") == proc.pid:
+            try:
+                httpx.get(info["address"] + "/api/v1/health", timeout=2).raise_for_status()
+                return info["address"]
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.05)
+    raise ServerUnavailable(f"the server did not answer within {timeout_s:g} s; see {home / 'logs' / 'server.log'}")
+
+
+def stop_cluster(home: Path | None = None, grace_s: float = 10.0) -> bool:
+    """Stop the cluster recorded in ``home``; True if one was running. Agents go first so they
+    can end their workers; then the server."""
+    home = (home or relay_home()).resolve()
+    info = read_json(cluster_file(home))
+    if not info:
+        return False
+    # only processes this cluster started: a pid reused since then has another start time
+    starts = info.get("starts", [])
+    pids = [p for i, p in enumerate(info.get("pids", [])) if i < len(starts) and _proc_start(p) == starts[i]]
+    ran = any(_alive(p) for p in pids)
+    for group in (pids[1:], pids[:1]):
+        for pid in group:
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(_alive(p) for p in group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in group:
+            _signal_group(pid, signal.SIGKILL)
+        for pid in group:
+            _reap(pid)
+    cluster_file(home).unlink(missing_ok=True)
+    server_file(home).unlink(missing_ok=True)
+    return ran
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(") ", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _starts(pids: list[int]) -> list[int | None]:
+    return [_proc_start(p) for p in pids]
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each part leads its own session, so its pid is its group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie not ours to reap still counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True

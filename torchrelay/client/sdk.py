@@ -1,0 +1,202 @@
+"""Python SDK: every call of the HTTP API, used by the ``relay`` CLI and by users' code.
+
+Contract: the server address comes from the argument, else ``RELAY_ADDRESS``, else the
+running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the classes of
+``torchrelay.errors`` (``NotFound``, ``InvalidSpec``…); no server answering raises
+``ServerUnavailable`` saying where it looked and how to start one. Methods block for at most
+their ``wait``/``timeout`` arguments plus one HTTP round trip.
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from torchrelay.client.bundle import pack_dir
+from torchrelay.errors import RelayError, ServerUnavailable, error_class
+from torchrelay.home import read_json, relay_home, server_file
+from torchrelay.spec import JobSpec, JobState
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, NodeInfo,
+                             SubmitRequest)
+
+
+def resolve_address(address: str | None = None) -> str | None:
+    """The server URL to use, or None when nothing names one."""
+    if address:
+        return address.rstrip("/")
+    if os.environ.get("RELAY_ADDRESS"):
+        return os.environ["RELAY_ADDRESS"].rstrip("/")
+    info = read_json(server_file(relay_home()))
+    return info.get("address") if info else None
+
+
+class RelayClient:
+    """A connection to one torchrelay server. Thread-safe (one httpx client)."""
+
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, user: str | None = None):
+        resolved = resolve_address(address)
+        if resolved is None:
+            raise ServerUnavailable(
+                f"no torchrelay server is named: RELAY_ADDRESS is unset and {server_file(relay_home())} "
+                "does not exist. Start one with `relay up` (embedded cluster) or `relay server`, "
+                "or set RELAY_ADDRESS=http://HOST:PORT")
+        self.address = resolved
+        self.user = user or os.environ.get("RELAY_USER") or _login_name()
+        self._http = httpx.Client(base_url=self.address + API_PREFIX, timeout=timeout,
+                                  headers={"x-relay-user": self.user})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RelayClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
+        try:
+            extra = {"timeout": timeout} if timeout is not None else {}
+            resp = self._http.request(method, path, **kw, **extra)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            raise ServerUnavailable(
+                f"no torchrelay server answers at {self.address} ({type(exc).__name__}). Start one with "
+                "`relay up`, or point RELAY_ADDRESS at a running server") from None
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+                cls, detail = error_class(body.get("error", "")), body.get("detail", resp.text)
+            except ValueError:
+                cls, detail = RelayError, resp.text or f"HTTP {resp.status_code}"
+            if cls is RelayError and resp.status_code == 404:
+                from torchrelay.errors import NotFound
+                cls = NotFound
+            raise cls(detail)
+        return resp
+
+    def _get(self, path: str, **kw: Any) -> Any:
+        return self._request("GET", path, **kw).json()
+
+    # ------------------------------------------------------------ cluster
+
+    def health(self) -> dict[str, Any]:
+        return self._get("/health", timeout=5)
+
+    def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo.model_validate(x) for x in self._get("/nodes")]
+
+    def wait_for_nodes(self, count: int, timeout: float = 60.0) -> list[NodeInfo]:
+        """Block until ``count`` READY nodes are registered. Raises ServerUnavailable on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = [n for n in self.nodes() if n.state == "READY"]
+            if len(nodes) >= count:
+                return nodes
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"only {len(nodes)} of {count} agents registered within {timeout:g} s")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------ jobs
+
+    def upload_bundle(self, workdir: str | Path) -> str:
+        """Pack and upload ``workdir`` unless the server already has it; returns the digest."""
+        blob, digest = pack_dir(workdir)
+        if self._http.head(f"/bundles/{digest}").status_code != 200:
+            ref = BundleRef.model_validate(self._request("POST", "/bundles", content=blob,
+                                                         headers={"content-type": "application/gzip"}).json())
+            assert ref.digest == digest, f"server stored bundle as {ref.digest}, expected {digest}"
+        return digest
+
+    def submit(self, spec: JobSpec | dict[str, Any], *, base_dir: str | Path = ".", upload: bool = True) -> JobInfo:
+        """Submit a job; ``spec.workdir`` (relative to ``base_dir``) is packed and uploaded."""
+        spec = spec if isinstance(spec, JobSpec) else JobSpec.parse(spec)
+        bundle = None
+        if upload:
+            bundle = self.upload_bundle(Path(base_dir) / spec.workdir)
+        body = SubmitRequest(spec=spec.to_public(), bundle=bundle)
+        return JobInfo.model_validate(self._request("POST", "/jobs", json=body.model_dump()).json())
+
+    def jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        return [JobInfo.model_validate(x) for x in self._get("/jobs", params=params)]
+
+    def job(self, job_id: str) -> JobInfo:
+        return JobInfo.model_validate(self._get(f"/jobs/{job_id}"))
+
+    def cancel(self, job_id: str) -> JobInfo:
+        return JobInfo.model_validate(self._request("POST", f"/jobs/{job_id}/cancel").json())
+
+    def wait(self, job_id: str, timeout: float | None = None, poll_s: float = 10.0) -> JobInfo:
+        """Block until the job is SUCCEEDED, FAILED or CANCELLED (or ``timeout``); returns its info."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        info = self.job(job_id)
+        while not info.state.terminal:
+            left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+            if left <= 0:
+                break
+            info = JobInfo.model_validate(self._get(
+                f"/jobs/{job_id}", params={"wait": left, "known_state": info.state.value}, timeout=left + 30))
+        return info
+
+    def logs(self, job_id: str, *, after: int = 0, rank: int | None = None, wait: float = 0) -> LogPage:
+        params: dict[str, Any] = {"after": after, "wait": wait}
+        if rank is not None:
+            params["rank"] = rank
+        return LogPage.model_validate(self._get(f"/jobs/{job_id}/logs", params=params, timeout=wait + 30))
+
+    def follow_logs(self, job_id: str, *, rank: int | None = None, wait: float = 10) -> Iterator[LogLine]:
+        """Every log line until the job ends (then what is left is drained)."""
+        after = 0
+        while True:
+            page = self.logs(job_id, after=after, rank=rank, wait=wait)
+            yield from page.lines
+            after = page.next_after
+            if page.job_state.terminal and not page.lines:
+                return
+
+    def metrics(self, job_id: str, *, after: int = 0, wait: float = 0) -> MetricPage:
+        return MetricPage.model_validate(self._get(f"/jobs/{job_id}/metrics", params={"after": after, "wait": wait},
+                                                   timeout=wait + 30))
+
+    def artifacts(self, job_id: str) -> list[ArtifactInfo]:
+        return [ArtifactInfo.model_validate(x) for x in self._get(f"/jobs/{job_id}/artifacts")]
+
+    def download(self, job_id: str, dest: str | Path) -> list[Path]:
+        """Fetch every artifact of the job into ``dest``; returns the written paths."""
+        dest = Path(dest)
+        written = []
+        for art in self.artifacts(job_id):
+            target = (dest / art.path).resolve()
+            if dest.resolve() not in target.parents:
+                raise RelayError(f"artifact path {art.path!r} would leave {dest}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._http.stream("GET", f"/jobs/{job_id}/artifacts/{art.path}") as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise error_class(resp.json().get("error", ""))(resp.json().get("detail", ""))
+                tmp = target.with_name(target.name + ".part")
+                with open(tmp, "wb") as fh:
+                    for chunk in resp.iter_bytes(1 << 20):
+                        fh.write(chunk)
+                os.replace(tmp, target)
+            written.append(target)
+        return written
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def is_terminal(state: JobState | str) -> bool:
+    return JobState(state).terminal

@@ -1,0 +1,139 @@
+"""The cluster as arrays for one scheduling cycle, and what a job may run as.
+
+Contract:
+- ``Cluster(nodes)`` indexes nodes in id order (so input order never changes a decision) and
+  holds ``total`` (N×3: cpus, gpus, memory bytes) and the ``ready`` mask. It never changes.
+- ``alternatives(job, cluster)`` lists what a job may be granted, as tiers tried in order: a
+  job asking for "any accelerator" gets one ``Alternative`` per GPU type in the cluster (a gang
+  never mixes GPU types); "prefer" adds a CPU tier after the GPU tier. Pure.
+- ``usage(shape, workers)`` is the resource vector a number of workers takes.
+- ``check_input`` raises ``InvalidSpec`` for input no cycle can use (duplicate ids, negative
+  node resources); ``job_problem`` names what is wrong with one job. Nothing else here raises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from torchrelay.errors import InvalidSpec
+from torchrelay.scheduler.types import QueuedJob, SchedulerInput, WorkerShape
+
+CPU, GPU, MEM = 0, 1, 2
+ACCELERATOR_MODES = ("none", "required", "prefer")
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One way to run a job: the granted worker shape and which nodes may take it."""
+
+    shape: WorkerShape  # as granted: gpu_type is the node type the gang runs on, gpu may be 0
+    need: tuple[float, float, float]  # per worker: cpus, gpus, memory
+
+    @property
+    def gpu_key(self) -> tuple[bool, str | None]:
+        return (self.shape.gpu > 0, self.shape.gpu_type if self.shape.gpu > 0 else None)
+
+
+class Cluster:
+    """Static arrays over the nodes of one cycle (see module contract)."""
+
+    def __init__(self, nodes: tuple) -> None:
+        ordered = sorted(nodes, key=lambda n: n.id)
+        self.nodes = ordered
+        self.ids = [n.id for n in ordered]
+        self.index = {node_id: i for i, node_id in enumerate(self.ids)}
+        self.total = np.array([[n.cpus, n.gpus, n.memory] for n in ordered], dtype=np.float64).reshape(-1, 3)
+        self.ready = np.array([n.ready for n in ordered], dtype=bool)
+        self.has_gpu = self.total[:, GPU] > 0
+        self.gpu_types = sorted({n.gpu_type for n in ordered if n.gpus > 0}, key=lambda t: (t is not None, t or ""))
+        self._labels = [dict(n.labels) for n in ordered]
+        self._masks: dict[tuple, np.ndarray] = {}
+        # dims a node has at all, for the fragmentation score (avoid dividing by zero)
+        self.inv_total = np.where(self.total > 0, 1.0 / np.where(self.total > 0, self.total, 1.0), 0.0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def eligible(self, alt: Alternative, labels: tuple[tuple[str, str], ...]) -> np.ndarray:
+        """Nodes (ready or not) whose GPU type and labels suit ``alt``; cached per cycle."""
+        key = (alt.gpu_key, labels)
+        mask = self._masks.get(key)
+        if mask is None:
+            wants_gpu, gpu_type = alt.gpu_key
+            wanted = dict(labels)
+            mask = np.array([
+                (not wants_gpu or (node.gpus > 0 and node.gpu_type == gpu_type))
+                and all(self._labels[i].get(k) == v for k, v in wanted.items())
+                for i, node in enumerate(self.nodes)], dtype=bool).reshape(-1)
+            self._masks[key] = mask
+        return mask
+
+
+def usage(shape: WorkerShape, workers: int) -> np.ndarray:
+    """Resources ``workers`` workers of ``shape`` take: [cpus, gpus, memory]."""
+    return np.array([shape.cpu * workers, shape.gpu * workers, shape.memory * workers], dtype=np.float64)
+
+
+def _alt(shape: WorkerShape) -> Alternative:
+    return Alternative(shape=shape, need=(float(shape.cpu), float(shape.gpu), float(shape.memory)))
+
+
+def alternatives(job: QueuedJob, cluster: Cluster) -> tuple[tuple[Alternative, ...], ...]:
+    """Tiers of ways to run ``job``: the first tier with a placement wins (see module contract)."""
+    shape = job.shape
+    wants_gpu = shape.gpu > 0 or shape.accelerator in ("required", "prefer")
+    tiers: list[tuple[Alternative, ...]] = []
+    if wants_gpu:
+        gpus = max(1, shape.gpu)
+        types = [shape.gpu_type] if shape.gpu_type is not None else cluster.gpu_types
+        if not types:  # no GPU node at all: keep one tier so "unschedulable" can be reported
+            types = [shape.gpu_type]
+        tiers.append(tuple(_alt(replace(shape, gpu=gpus, gpu_type=t)) for t in types))
+    if not wants_gpu or shape.accelerator == "prefer":
+        tiers.append((_alt(replace(shape, gpu=0, gpu_type=None)),))
+    return tuple(tiers)
+
+
+def check_input(inp: SchedulerInput) -> None:
+    """Raise ``InvalidSpec`` naming the first duplicated id or malformed node: input no cycle can use."""
+    seen_nodes: set[str] = set()
+    for node in inp.nodes:
+        if node.id in seen_nodes:
+            raise InvalidSpec(f"node id {node.id!r} appears twice in the scheduler input; node ids are unique")
+        seen_nodes.add(node.id)
+        if node.cpus < 0 or node.gpus < 0 or node.memory < 0:
+            raise InvalidSpec(f"node {node.id!r} has negative resources (cpus={node.cpus}, gpus={node.gpus}, "
+                              f"memory={node.memory}); use values >= 0")
+    seen_jobs: set[str] = set()
+    for job_id in [a.job_id for a in inp.running] + [j.job_id for j in inp.queue]:
+        if job_id in seen_jobs:
+            raise InvalidSpec(f"job id {job_id!r} appears twice among running and queued jobs; job ids are unique")
+        seen_jobs.add(job_id)
+    if inp.estimate_limit < 0:
+        raise InvalidSpec(f"estimate_limit={inp.estimate_limit}; use 0 or more")
+
+
+def job_problem(job: QueuedJob) -> str | None:
+    """Why ``job`` is malformed (a sentence naming the value), or None. The server may call it
+    at submission; ``schedule`` reports such a job as waiting "unschedulable" instead of failing
+    the whole cycle."""
+    shape = job.shape
+    if shape.accelerator not in ACCELERATOR_MODES:
+        return f"accelerator={shape.accelerator!r}; use one of {', '.join(ACCELERATOR_MODES)}"
+    if shape.cpu < 0 or shape.gpu < 0 or shape.memory < 0:
+        return f"per-worker cpu={shape.cpu}, gpu={shape.gpu}, memory={shape.memory}; each must be >= 0"
+    if shape.accelerator == "none" and shape.gpu == 0 and shape.gpu_type is not None:
+        return (f"gpu_type={shape.gpu_type!r} with gpu=0; ask for gpu >= 1 or set accelerator to "
+                f"'required' or 'prefer'")
+    if job.workers < 1:
+        return f"workers={job.workers}; a job has at least 1 worker"
+    if (job.nodes is None) != (job.workers_per_node is None):
+        return f"nodes={job.nodes} and workers_per_node={job.workers_per_node} go together; give both or neither"
+    if job.nodes is not None and (job.nodes < 1 or job.workers_per_node < 1
+                                  or job.nodes * job.workers_per_node != job.workers):
+        return (f"nodes × workers_per_node = {job.nodes} × {job.workers_per_node} does not equal "
+                f"workers={job.workers}")
+    if job.max_runtime_s is not None and not job.max_runtime_s > 0:
+        return f"max_runtime_s={job.max_runtime_s}; use a positive number of seconds or None"
+    return None

@@ -1,0 +1,127 @@
+"""Where a gang goes. Pure numpy over one cycle's arrays; no I/O.
+
+Contract:
+- ``capacity(avail, need, mask)``: how many more workers of per-worker ``need`` each node can
+  take (0 off ``mask``).
+- ``place(cluster, alt, job, avail, mask)``: all of the job's workers, or None. Never exceeds
+  ``avail`` on any node. With ``workers_per_node`` it picks exactly ``nodes`` nodes; otherwise
+  it spreads ``workers`` freely. Among placements it prefers, in this order:
+    1. the fewest nodes;
+    2. for CPU-only workers, nodes without GPUs (a CPU job should not strand a GPU);
+    3. the least fragmentation: the smallest sum, over the chosen nodes, of the fraction of
+       each resource left free (best fit);
+    4. the lowest node id (determinism).
+- ``place_best(cluster, tiers, job, avail, mask)``: the first tier of alternatives that has a
+  placement; within a tier (one alternative per GPU type) the fewest nodes, then the least
+  fragmentation, then the tier's own order. Returns ``Choice`` or None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchrelay.scheduler.cluster import GPU, Alternative, Cluster
+from torchrelay.scheduler.types import QueuedJob
+
+_UNBOUNDED = 1 << 40  # capacity of a node for a worker that needs nothing
+_EPS = 1e-6  # cpus are floats: 0.1 * 3 must still fit 0.3
+_GPU_NODE_PENALTY = 4.0  # larger than any fragmentation score (3 dims, each at most 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    alt: Alternative
+    placement: tuple[tuple[int, int], ...]  # (node index, workers)
+    score: float
+
+
+def capacity(avail: np.ndarray, need: tuple[float, float, float], mask: np.ndarray) -> np.ndarray:
+    """Workers of ``need`` each node can still take; 0 where ``mask`` is False."""
+    cap = np.full(avail.shape[0], _UNBOUNDED, dtype=np.int64)
+    for dim in range(3):
+        if need[dim] > 0:
+            np.minimum(cap, np.floor((avail[:, dim] + _EPS) / need[dim]).astype(np.int64), out=cap)
+    cap[~mask] = 0
+    np.maximum(cap, 0, out=cap)
+    return cap
+
+
+def _scores(cluster: Cluster, avail: np.ndarray, need: np.ndarray, nodes: np.ndarray,
+            workers: np.ndarray | int) -> np.ndarray:
+    """Fragmentation score of putting ``workers`` on each of ``nodes`` (lower is better)."""
+    left = avail[nodes] - np.multiply.outer(np.broadcast_to(workers, nodes.shape), need)
+    score = (np.clip(left, 0, None) * cluster.inv_total[nodes]).sum(axis=1)
+    if need[GPU] == 0:
+        score = score + _GPU_NODE_PENALTY * cluster.has_gpu[nodes]
+    return score
+
+
+def _best(nodes: np.ndarray, scores: np.ndarray) -> int:
+    return int(nodes[np.lexsort((nodes, scores))[0]])
+
+
+def place(cluster: Cluster, alt: Alternative, job: QueuedJob, avail: np.ndarray,
+          mask: np.ndarray) -> tuple[tuple[tuple[int, int], ...], float] | None:
+    """(placement, score) for all of ``job``'s workers as ``alt``, or None (see module contract)."""
+    need = np.asarray(alt.need, dtype=np.float64)
+    cap = capacity(avail, alt.need, mask)
+    if job.workers_per_node:
+        per_node, count = job.workers_per_node, job.nodes or 1
+        cand = np.flatnonzero(cap >= per_node)
+        if cand.size < count:
+            return None
+        scores = _scores(cluster, avail, need, cand, per_node)
+        order = np.lexsort((cand, scores))[:count]
+        picked = sorted(int(i) for i in cand[order])
+        return tuple((i, per_node) for i in picked), float(scores[order].sum())
+    workers = job.workers
+    np.minimum(cap, workers, out=cap)
+    cand = np.flatnonzero(cap > 0)
+    if cand.size == 0 or int(cap[cand].sum()) < workers:
+        return None
+    whole = cand[cap[cand] >= workers]
+    if whole.size:
+        scores = _scores(cluster, avail, need, whole, workers)
+        best = _best(whole, scores)
+        return ((best, workers),), float(scores.min())
+    # Fewest nodes: the largest capacities first; the last node is the best fit for what is left.
+    full_scores = _scores(cluster, avail, need, cand, cap[cand])
+    order = cand[np.lexsort((cand, full_scores, -cap[cand]))]
+    cumulative = np.cumsum(cap[order])
+    count = int(np.searchsorted(cumulative, workers)) + 1
+    head = order[: count - 1]
+    remainder = workers - int(cumulative[count - 2])
+    rest = order[count - 1:]
+    rest = rest[cap[rest] >= remainder]
+    last_scores = _scores(cluster, avail, need, rest, remainder)
+    last = _best(rest, last_scores)
+    placement = tuple((int(i), int(cap[i])) for i in head) + ((last, remainder),)
+    head_score = float(_scores(cluster, avail, need, head, cap[head]).sum())
+    return placement, head_score + float(last_scores.min())
+
+
+def place_best(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
+               avail: np.ndarray, ready: np.ndarray) -> Choice | None:
+    """The preferred placement over ``tiers`` on nodes in ``ready`` (see module contract)."""
+    for tier in tiers:
+        best: tuple | None = None
+        for rank, alt in enumerate(tier):
+            mask = cluster.eligible(alt, job.labels) & ready
+            found = place(cluster, alt, job, avail, mask)
+            if found is None:
+                continue
+            placement, score = found
+            key = (len(placement), score, rank)
+            if best is None or key < best[0]:
+                best = (key, Choice(alt, placement, score))
+        if best is not None:
+            return best[1]
+    return None
+
+
+def use_of(choice: Choice) -> tuple[np.ndarray, np.ndarray]:
+    """(node indices, per-node [cpus, gpus, memory]) that ``choice`` takes."""
+    nodes = np.array([i for i, _ in choice.placement], dtype=np.int64)
+    workers = np.array([w for _, w in choice.placement], dtype=np.float64)
+    return nodes, np.multiply.outer(workers, np.asarray(choice.alt.need, dtype=np.float64))

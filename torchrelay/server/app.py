@@ -1,0 +1,191 @@
+"""FastAPI app factory: the HTTP API of ``torchrelay.wire`` over a ``ClusterService``.
+
+``create_app(service)`` builds the app; the service's background scheduler runs for the app's
+lifetime (started and stopped by the lifespan). Errors from ``torchrelay.errors`` become
+``{"error": ClassName, "detail": message}`` with the class's HTTP status. The OpenAPI document
+is served at ``/api/v1/openapi.json`` (docs UI at ``/api/v1/docs``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from torchrelay import __version__
+from torchrelay.errors import RelayError
+from torchrelay.server.service import ClusterService
+from torchrelay.storage import ArtifactStore
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus,
+                             LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
+                             SubmitRequest)
+
+MAX_WAIT_S = 60.0
+
+
+def create_app(service: ClusterService) -> FastAPI:
+    """The server app. The scheduler thread runs while the app is served."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
+                  openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(RelayError)
+    async def _relay_error(_request: Request, exc: RelayError) -> JSONResponse:
+        return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{loc}: {err.get('msg')}")
+        return JSONResponse({"error": "InvalidSpec", "detail": "invalid request: " + "; ".join(parts)},
+                            status_code=422)
+
+    api = APIRouter(prefix=API_PREFIX)
+    svc = service
+
+    @api.get("/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": __version__}
+
+    # ------------------------------------------------------------ bundles
+
+    @api.post("/bundles", response_model=BundleRef, status_code=201)
+    async def upload_bundle(request: Request) -> BundleRef:
+        data = await request.body()
+        digest = hashlib.sha256(data).hexdigest()
+        key = ArtifactStore.bundle_key(digest)
+        if not await run_in_threadpool(svc.store.exists, key):
+            await run_in_threadpool(svc.store.put_bytes, key, data)
+        return BundleRef(digest=digest, size=len(data))
+
+    @api.head("/bundles/{digest}")
+    def has_bundle(digest: str) -> Response:
+        if not svc.store.exists(ArtifactStore.bundle_key(digest)):
+            return Response(status_code=404)
+        return Response(status_code=200)
+
+    @api.get("/bundles/{digest}")
+    def get_bundle(digest: str) -> Response:
+        data = svc.store.get_bytes(ArtifactStore.bundle_key(digest))
+        return Response(content=data, media_type="application/gzip")
+
+    # ------------------------------------------------------------ jobs
+
+    @api.post("/jobs", response_model=JobInfo, status_code=201)
+    def submit(body: SubmitRequest, request: Request) -> JobInfo:
+        return svc.submit(body.spec, body.bundle, request.headers.get("x-relay-user"))
+
+    @api.get("/jobs", response_model=list[JobInfo])
+    def list_jobs(state: str | None = None, limit: int = Query(100, ge=1, le=10000)) -> list[JobInfo]:
+        return svc.list_jobs(state, limit)
+
+    @api.get("/jobs/{job_id}", response_model=JobInfo)
+    async def get_job(job_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S),
+                      known_state: str | None = None) -> JobInfo:
+        """With ``wait`` and ``known_state``: long-poll until the state differs or time passes."""
+        info = await run_in_threadpool(svc.get_job, job_id)
+        if wait and known_state == info.state.value:
+            seq = int(info.id.removeprefix("job-"))
+            version = svc.notifier.version(f"job:{seq}")
+            await svc.notifier.wait(f"job:{seq}", version, wait)
+            info = await run_in_threadpool(svc.get_job, job_id)
+        return info
+
+    @api.post("/jobs/{job_id}/cancel", response_model=JobInfo)
+    def cancel(job_id: str) -> JobInfo:
+        return svc.cancel(job_id)
+
+    @api.get("/jobs/{job_id}/logs", response_model=LogPage)
+    async def get_logs(job_id: str, after: int = Query(0, ge=0), rank: int | None = None,
+                       wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> LogPage:
+        return await _follow("logs", job_id, wait, lambda: svc.logs(job_id, after, rank),
+                             lambda page: bool(page.lines))
+
+    @api.get("/jobs/{job_id}/metrics", response_model=MetricPage)
+    async def get_metrics(job_id: str, after: int = Query(0, ge=0),
+                          wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> MetricPage:
+        return await _follow("metrics", job_id, wait, lambda: svc.metrics(job_id, after),
+                             lambda page: bool(page.points))
+
+    async def _follow(kind: str, job_id: str, wait: float, fetch, has_news):  # noqa: ANN001, ANN202
+        seq, _ = await run_in_threadpool(svc.job_state, job_id)
+        key = f"{kind}:{seq}"
+        version = svc.notifier.version(key)
+        page = await run_in_threadpool(fetch)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while not has_news(page) and not page.job_state.terminal and loop.time() < deadline:
+            version = await svc.notifier.wait(key, version, deadline - loop.time())
+            page = await run_in_threadpool(fetch)
+        return page
+
+    @api.get("/jobs/{job_id}/artifacts", response_model=list[ArtifactInfo])
+    def list_artifacts(job_id: str) -> list[ArtifactInfo]:
+        return svc.artifacts(job_id)
+
+    @api.get("/jobs/{job_id}/artifacts/{path:path}")
+    def get_artifact(job_id: str, path: str) -> Response:
+        data = svc.store.get_bytes(svc.artifact_key(job_id, path))
+        return Response(content=data, media_type="application/octet-stream")
+
+    @api.put("/jobs/{job_id}/artifacts/{path:path}", response_model=ArtifactInfo)
+    async def put_artifact(job_id: str, path: str, request: Request) -> ArtifactInfo:
+        key = await run_in_threadpool(svc.artifact_key, job_id, path)
+        data = await request.body()
+        await run_in_threadpool(svc.store.put_bytes, key, data)
+        return ArtifactInfo(path=path, size=len(data))
+
+    # ------------------------------------------------------------ nodes and agents
+
+    @api.get("/nodes", response_model=list[NodeInfo])
+    def list_nodes() -> list[NodeInfo]:
+        return svc.list_nodes()
+
+    @api.post("/nodes/register", response_model=RegisterReply)
+    def register(body: NodeRegistration) -> RegisterReply:
+        return svc.register(body)
+
+    @api.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatReply)
+    async def heartbeat(node_id: str, body: Heartbeat) -> HeartbeatReply:
+        reply = await run_in_threadpool(svc.heartbeat, node_id, body)
+        if body.wait_s and reply.version == body.known_version:
+            await svc.notifier.wait(f"node:{node_id}", reply.version, body.wait_s)
+            reply = await run_in_threadpool(svc.desired, node_id)
+        return reply
+
+    @api.post("/launches/{launch_id}/status")
+    def launch_status(launch_id: str, body: LaunchStatus) -> dict[str, bool]:
+        svc.launch_status(launch_id, body)
+        return {"ok": True}
+
+    @api.post("/jobs/{job_id}/logs")
+    def post_logs(job_id: str, body: LogBatch) -> dict[str, Any]:
+        return {"ok": True, "added": svc.ingest_logs(job_id, body)}
+
+    @api.post("/jobs/{job_id}/metrics")
+    def post_metrics(job_id: str, body: MetricBatch) -> dict[str, Any]:
+        return {"ok": True, "added": svc.ingest_metrics(job_id, body)}
+
+    app.include_router(api)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> dict[str, str]:
+        return {"torchrelay": __version__, "api": API_PREFIX, "openapi": f"{API_PREFIX}/openapi.json"}
+
+    return app

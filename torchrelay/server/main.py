@@ -1,0 +1,56 @@
+"""Run the server process: ``relay server`` and the embedded cluster call ``serve``.
+
+Binds before announcing: the listening socket is created here (port 0 lets the OS pick),
+then the address is written to ``<RELAY_HOME>/server.json`` and uvicorn serves on that
+socket, so a client that reads the file can connect at once. Blocks until SIGTERM/SIGINT.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from torchrelay.home import relay_home, server_file, write_json
+from torchrelay.server.app import create_app
+from torchrelay.server.service import ClusterService
+
+
+def default_db_url(home: Path) -> str:
+    return f"sqlite:///{home / 'state.db'}"
+
+
+def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
+          home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning") -> None:
+    """Serve until interrupted. Raises OSError naming the address when it cannot bind."""
+    home = home or relay_home()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    bound_port = sock.getsockname()[1]
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    address = f"http://{shown_host}:{bound_port}"
+    service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
+                             heartbeat_timeout_s=heartbeat_timeout_s)
+    service.public_url = address
+    app = create_app(service)
+    write_json(server_file(home), {"address": address, "pid": os.getpid()})
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75,
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        try:
+            data = server_file(home).read_text()
+            if str(os.getpid()) in data:
+                server_file(home).unlink()
+        except OSError:
+            pass

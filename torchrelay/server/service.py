@@ -1,0 +1,607 @@
+"""The cluster's rules: jobs, nodes, launches, logs, metrics; carried out against the store.
+
+``ClusterService`` is what the HTTP routers call. Every public method is a short transaction
+under one lock (SQLite allows one writer; one server process owns the state) and never
+blocks on the network. Long-polls are done by the routers with ``notifier`` keys:
+
+    "node:<id>"   the node's desired launches changed      (heartbeat long-poll)
+    "logs:<seq>"  new log lines of a job                    (logs -f)
+    "metrics:<seq>", "job:<seq>", "jobs"                    (metrics / status follow)
+
+``tick()`` is the control loop's one step (tests call it directly): nodes that missed their
+heartbeats become LOST, then one scheduling cycle places queued jobs. ``start()`` runs it in a
+background thread whenever something changes, and at least every ``tick_s``.
+
+Job life (see ``torchrelay.spec.TRANSITIONS``): submit -> QUEUED; placed -> SCHEDULED with one
+launch (one torchrun) per node; first launch running -> RUNNING; every launch of the attempt
+succeeded -> SUCCEEDED. A launch that fails makes the server stop the attempt's other launches
+at once (their agents hear it on the long-poll), then the job restarts (RESTARTING, a new
+attempt placed like a queued job) while restarts are left, else FAILED naming the rank.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterable
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from torchrelay import scheduler as policy
+from torchrelay.errors import InvalidSpec, NotFound, Unschedulable
+from torchrelay.server.notify import Notifier
+from torchrelay.server.store import (CursorRow, EventRow, JobRow, LaunchRow, LogRow, MetricRow, NodeRow,
+                                     job_id_of, job_seq_of, make_engine, make_sessionmaker)
+from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, check_transition
+from torchrelay.storage import ArtifactStore
+from torchrelay.wire import (ArtifactInfo, FailureInfo, Heartbeat, HeartbeatReply, JobEvent, JobInfo,
+                             LaunchAssignment, LaunchStatus, LogBatch, LogLine, LogPage, MetricBatch,
+                             MetricPage, MetricPoint, NodeInfo, NodeRegistration, PlacementInfo,
+                             RankExit, RegisterReply)
+
+_KILLED_BY_PEER = {-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
+
+
+def process_count(spec: JobSpec) -> int:
+    """Processes the job runs: its workers, plus parameter servers placed like workers."""
+    extra = spec.strategy.servers if isinstance(spec.strategy, ParameterServerStrategy) else 0
+    return spec.workers + extra
+
+
+def worker_shape(spec: JobSpec) -> policy.WorkerShape:
+    res = spec.resources
+    return policy.WorkerShape(cpu=res.cpu, gpu=res.gpu, memory=res.memory, gpu_type=res.gpu_type,
+                              accelerator="required" if res.gpu else "none")
+
+
+def queued_job(row: JobRow, spec: JobSpec) -> policy.QueuedJob:
+    return policy.QueuedJob(
+        job_id=row.id, user=row.user or "", priority=row.priority, submit_seq=row.seq,
+        workers=process_count(spec), shape=worker_shape(spec),
+        workers_per_node=spec.workers_per_node if spec.nodes else None, nodes=spec.nodes,
+        labels=tuple(sorted(spec.labels.items())), preemptible=spec.preemptible,
+        max_runtime_s=spec.max_runtime_s)
+
+
+class ClusterService:
+    """Owns the store; see the module docstring for the contract."""
+
+    def __init__(self, db_url: str, store_url: str, *, heartbeat_timeout_s: float = 10.0,
+                 tick_s: float = 0.5, clock: Callable[[], float] = time.time):
+        self.engine = make_engine(db_url)
+        self._sessions = make_sessionmaker(self.engine)
+        self.store = ArtifactStore(store_url)
+        self.notifier = Notifier()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.tick_s = tick_s
+        self.clock = clock
+        self.public_url = ""  # set by the app once the server's address is known
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ background loop
+
+    def start(self) -> None:
+        """Run ``tick`` in a daemon thread until ``stop``. Idempotent."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="relay-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.engine.dispose()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop must survive a bad row; the error is logged
+                import logging
+                logging.getLogger("torchrelay.server").exception("scheduler tick failed")
+            self._wake.wait(self.tick_s)
+            self._wake.clear()
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    def tick(self) -> None:
+        """One control-loop step: mark lost nodes, then schedule. Idempotent."""
+        with self._lock, self._sessions.begin() as s:
+            self._mark_lost_nodes(s)
+            self._schedule(s)
+
+    # ------------------------------------------------------------ jobs
+
+    def submit(self, spec_data: dict[str, Any], bundle: str | None, user: str | None) -> JobInfo:
+        """Validate and queue a job. Raises InvalidSpec, NotFound (bundle), Unschedulable."""
+        spec = JobSpec.parse(spec_data)
+        if bundle is not None and not self.store.exists(ArtifactStore.bundle_key(bundle)):
+            raise NotFound(f"bundle {bundle} was not uploaded; POST it to /api/v1/bundles first")
+        if spec.user is None and user:
+            spec = spec.model_copy(update={"user": user})
+        with self._lock, self._sessions.begin() as s:
+            nodes = self._node_views(s)
+            if nodes:
+                probe = queued_job(JobRow(seq=0, priority=spec.priority, user=spec.user), spec)
+                if not policy.fits_ever(probe, tuple(nodes)):
+                    raise Unschedulable(self._never_fits_message(spec, nodes))
+            now = self.clock()
+            row = JobRow(name=spec.name, user=spec.user, state=JobState.QUEUED.value, spec=spec.to_public(),
+                         bundle=bundle, priority=spec.priority, submitted_at=now, restart_reasons=[],
+                         last_metrics={}, requeue=False)
+            s.add(row)
+            s.flush()
+            s.add(EventRow(job_seq=row.seq, time=now, state=JobState.QUEUED.value, message="submitted"))
+            info = self._job_info(s, row, events=True)
+        self.notifier.bump("jobs")
+        self._kick()
+        return info
+
+    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
+        with self._sessions() as s:
+            q = select(JobRow).order_by(JobRow.seq.desc()).limit(max(1, min(limit, 10000)))
+            if state:
+                states = [x.strip().upper() for x in state.split(",") if x.strip()]
+                bad = [x for x in states if x not in JobState.__members__]
+                if bad:
+                    raise InvalidSpec(f"state {bad[0]!r} is not a job state; use one of "
+                                      f"{', '.join(JobState.__members__)}")
+                q = q.where(JobRow.state.in_(states))
+            return [self._job_info(s, row) for row in s.scalars(q)]
+
+    def get_job(self, job_id: str) -> JobInfo:
+        with self._sessions() as s:
+            return self._job_info(s, self._job(s, job_id), events=True)
+
+    def job_state(self, job_id: str) -> tuple[int, JobState]:
+        with self._sessions() as s:
+            row = self._job(s, job_id)
+            return row.seq, JobState(row.state)
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancel a job; idempotent (a finished job is returned unchanged)."""
+        with self._lock, self._sessions.begin() as s:
+            row = self._job(s, job_id)
+            state = JobState(row.state)
+            if state == JobState.QUEUED or (state == JobState.RESTARTING and not self._live_launches(s, row)):
+                self._set_state(s, row, JobState.CANCELLED if state == JobState.QUEUED else JobState.CANCELLING,
+                                "cancelled by user")
+                if JobState(row.state) == JobState.CANCELLING:
+                    self._set_state(s, row, JobState.CANCELLED, "no process was running")
+            elif state.active and state != JobState.CANCELLING:
+                self._set_state(s, row, JobState.CANCELLING, "cancel requested")
+                self._stop_launches(s, row, "job cancelled")
+                self._evaluate(s, row)
+            info = self._job_info(s, row, events=True)
+        return info
+
+    def logs(self, job_id: str, after: int = 0, rank: int | None = None, limit: int = 5000) -> LogPage:
+        with self._sessions() as s:
+            row = self._job(s, job_id)
+            q = select(LogRow).where(LogRow.job_seq == row.seq, LogRow.id > after)
+            if rank is not None:
+                q = q.where(LogRow.rank == rank)
+            lines = list(s.scalars(q.order_by(LogRow.id).limit(limit)))
+            out = [LogLine(seq=x.id, rank=x.rank, attempt=x.attempt, stream=x.stream, text=x.text) for x in lines]
+            return LogPage(lines=out, next_after=lines[-1].id if lines else after, job_state=JobState(row.state))
+
+    def metrics(self, job_id: str, after: int = 0, limit: int = 10000) -> MetricPage:
+        with self._sessions() as s:
+            row = self._job(s, job_id)
+            q = (select(MetricRow).where(MetricRow.job_seq == row.seq, MetricRow.id > after)
+                 .order_by(MetricRow.id).limit(limit))
+            pts = list(s.scalars(q))
+            out = [MetricPoint(seq=p.id, rank=p.rank, step=p.step, time=p.time, values=p.values) for p in pts]
+            return MetricPage(points=out, next_after=pts[-1].id if pts else after, job_state=JobState(row.state))
+
+    def artifacts(self, job_id: str) -> list[ArtifactInfo]:
+        with self._sessions() as s:
+            row = self._job(s, job_id)
+        prefix = f"{ArtifactStore.job_prefix(row.id)}/artifacts"
+        return [ArtifactInfo(path=p, size=n) for p, n in self.store.list(prefix)]
+
+    def artifact_key(self, job_id: str, path: str) -> str:
+        with self._sessions() as s:
+            row = self._job(s, job_id)
+        return ArtifactStore.artifact_key(row.id, path)
+
+    # ------------------------------------------------------------ nodes
+
+    def register(self, reg: NodeRegistration) -> RegisterReply:
+        """Add a node, or bring a known one (same node_id) back to READY. Idempotent."""
+        now = self.clock()
+        with self._lock, self._sessions.begin() as s:
+            node = s.get(NodeRow, reg.node_id) if reg.node_id else None
+            if node is None:
+                node = NodeRow(id=reg.node_id or f"node-{uuid.uuid4().hex[:8]}", name=reg.name,
+                               address=reg.address, cpus=reg.cpus, gpus=reg.gpus, gpu_type=reg.gpu_type,
+                               memory=reg.memory, labels=reg.labels, state="READY", last_seen=now)
+                s.add(node)
+            else:
+                node.name, node.address, node.cpus, node.gpus = reg.name, reg.address, reg.cpus, reg.gpus
+                node.gpu_type, node.memory, node.labels = reg.gpu_type, reg.memory, reg.labels
+                node.state, node.last_seen = "READY", now
+            node_id = node.id
+        self._kick()
+        self.notifier.bump(f"node:{node_id}")
+        return RegisterReply(node_id=node_id, heartbeat_timeout_s=self.heartbeat_timeout_s)
+
+    def heartbeat(self, node_id: str, hb: Heartbeat) -> HeartbeatReply:
+        """Record the node alive and what it runs; return its desired launches (no waiting)."""
+        now = self.clock()
+        with self._lock, self._sessions.begin() as s:
+            node = s.get(NodeRow, node_id)
+            if node is None:
+                raise NotFound(f"node {node_id} is not registered; register it again")
+            was_lost = node.state == "LOST"
+            node.last_seen = now
+            if was_lost:
+                node.state = "READY"
+            reported = {r.launch_id for r in hb.launches}
+            # a launch the agent had acknowledged but no longer has was lost with the agent
+            for launch in s.scalars(select(LaunchRow).where(LaunchRow.node_id == node_id,
+                                                             LaunchRow.state.in_(("preparing", "running")))):
+                if launch.id not in reported:
+                    self._launch_exited(s, launch, LaunchStatus(
+                        state="exited", succeeded=False, message="the agent no longer runs this launch"))
+        if was_lost:
+            self._kick()
+        return self.desired(node_id)
+
+    def desired(self, node_id: str) -> HeartbeatReply:
+        version = self.notifier.version(f"node:{node_id}")
+        with self._sessions() as s:
+            node = s.get(NodeRow, node_id)
+            if node is None:
+                raise NotFound(f"node {node_id} is not registered; register it again")
+            launches = s.scalars(select(LaunchRow).where(LaunchRow.node_id == node_id,
+                                                          LaunchRow.state != "exited")).all()
+            return HeartbeatReply(version=version, node_state=node.state,  # type: ignore[arg-type]
+                                  launches=[self._assignment(s, launch) for launch in launches])
+
+    def list_nodes(self) -> list[NodeInfo]:
+        with self._sessions() as s:
+            out = []
+            for node in s.scalars(select(NodeRow).order_by(NodeRow.name, NodeRow.id)):
+                live = s.scalars(select(LaunchRow).where(LaunchRow.node_id == node.id,
+                                                         LaunchRow.state != "exited")).all()
+                out.append(NodeInfo(
+                    id=node.id, name=node.name, address=node.address, state=node.state,  # type: ignore[arg-type]
+                    cpus=node.cpus, gpus=node.gpus, gpu_type=node.gpu_type, memory=node.memory,
+                    labels=node.labels or {}, last_seen=node.last_seen,
+                    used_cpus=sum(x.cpu * x.nproc for x in live), used_gpus=sum(x.gpu * x.nproc for x in live),
+                    used_memory=sum(x.memory * x.nproc for x in live), launches=[x.id for x in live]))
+            return out
+
+    def launch_status(self, launch_id: str, status: LaunchStatus) -> None:
+        """Record an agent's report on a launch. Idempotent; reports on an exited launch are ignored."""
+        with self._lock, self._sessions.begin() as s:
+            launch = s.get(LaunchRow, launch_id)
+            if launch is None:
+                raise NotFound(f"launch {launch_id} is unknown")
+            if launch.state == "exited":
+                return
+            if status.master_port and launch.master_port != status.master_port:
+                launch.master_port = status.master_port
+                for peer in self._attempt_launches(s, launch.job_seq, launch.attempt):
+                    self.notifier.bump(f"node:{peer.node_id}")
+            if status.state == "exited":
+                self._launch_exited(s, launch, status)
+            else:
+                launch.state = status.state
+                self._evaluate(s, s.get(JobRow, launch.job_seq))
+
+    def ingest_logs(self, job_id: str, batch: LogBatch) -> int:
+        """Store new log records; resent ones (seq already seen) are skipped. Returns rows added."""
+        with self._lock, self._sessions.begin() as s:
+            row = self._job(s, job_id)
+            added = 0
+            for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/{r.stream}"):
+                cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
+                fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
+                for r in fresh:
+                    s.add(LogRow(job_seq=row.seq, launch_id=batch.launch_id, attempt=r.attempt, rank=r.rank,
+                                 stream=r.stream, agent_seq=r.seq, text=r.text))
+                if fresh:
+                    cursor.last_seq = fresh[-1].seq
+                    s.merge(cursor)
+                    added += len(fresh)
+            seq = row.seq
+        if added:
+            self.notifier.bump(f"logs:{seq}")
+        return added
+
+    def ingest_metrics(self, job_id: str, batch: MetricBatch) -> int:
+        with self._lock, self._sessions.begin() as s:
+            row = self._job(s, job_id)
+            added, latest = 0, None
+            for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics"):
+                cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
+                fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
+                for r in fresh:
+                    s.add(MetricRow(job_seq=row.seq, launch_id=batch.launch_id, rank=r.rank, agent_seq=r.seq,
+                                    step=r.step, time=r.time, values=r.values))
+                    if latest is None or (r.rank, -r.step) <= (latest.rank, -latest.step):
+                        latest = r
+                if fresh:
+                    cursor.last_seq = fresh[-1].seq
+                    s.merge(cursor)
+                    added += len(fresh)
+            if latest is not None:
+                row.last_metrics = {**(row.last_metrics or {}), **latest.values, "step": latest.step,
+                                    "time": latest.time}
+            seq = row.seq
+        if added:
+            self.notifier.bump(f"metrics:{seq}")
+            self.notifier.bump(f"job:{seq}")
+        return added
+
+    # ------------------------------------------------------------ internals: lookups
+
+    def _job(self, s: Session, job_id: str) -> JobRow:
+        seq = job_seq_of(job_id)
+        row = s.get(JobRow, seq) if seq is not None else None
+        if row is None:
+            raise NotFound(f"job {job_id!r} does not exist; `relay ls` lists the jobs")
+        return row
+
+    def _node_views(self, s: Session) -> list[policy.NodeView]:
+        return [policy.NodeView(id=n.id, cpus=n.cpus, gpus=n.gpus, memory=n.memory, gpu_type=n.gpu_type,
+                                labels=tuple(sorted((n.labels or {}).items())), ready=True)
+                for n in s.scalars(select(NodeRow).where(NodeRow.state == "READY").order_by(NodeRow.id))]
+
+    def _never_fits_message(self, spec: JobSpec, nodes: list[policy.NodeView]) -> str:
+        res = spec.resources
+        return (f"job {spec.name!r} can never run here: it needs {process_count(spec)} workers × "
+                f"(cpu={res.cpu:g}, gpu={res.gpu}, memory={res.memory}) but the cluster's "
+                f"{len(nodes)} ready node(s) hold cpus={sum(n.cpus for n in nodes):g}, "
+                f"gpus={sum(n.gpus for n in nodes)}, memory={sum(n.memory for n in nodes)} in all; "
+                f"lower `workers` or the per-worker `resources`, or add nodes")
+
+    def _attempt_launches(self, s: Session, job_seq: int, attempt: int) -> list[LaunchRow]:
+        return list(s.scalars(select(LaunchRow).where(LaunchRow.job_seq == job_seq, LaunchRow.attempt == attempt)
+                              .order_by(LaunchRow.node_rank)))
+
+    def _live_launches(self, s: Session, row: JobRow) -> list[LaunchRow]:
+        return [x for x in self._attempt_launches(s, row.seq, row.attempt) if x.state != "exited"]
+
+    # ------------------------------------------------------------ internals: state changes
+
+    def _set_state(self, s: Session, row: JobRow, target: JobState, message: str = "") -> None:
+        current = JobState(row.state)
+        if current == target:
+            return
+        check_transition(row.id, current, target)
+        now = self.clock()
+        row.state = target.value
+        if target == JobState.RUNNING and row.started_at is None:
+            row.started_at = now
+        if target.terminal:
+            row.finished_at = now
+            row.waiting_reason = None
+        s.add(EventRow(job_seq=row.seq, time=now, state=target.value, message=message))
+        self.notifier.bump(f"job:{row.seq}")
+        self.notifier.bump(f"logs:{row.seq}")
+        self.notifier.bump(f"metrics:{row.seq}")
+        self.notifier.bump("jobs")
+        if target.terminal or target in (JobState.QUEUED, JobState.RESTARTING):
+            self._kick()
+
+    def _stop_launches(self, s: Session, row: JobRow, reason: str) -> None:
+        for launch in self._live_launches(s, row):
+            if launch.desired != "stop":
+                launch.desired, launch.stop_reason = "stop", reason
+                self.notifier.bump(f"node:{launch.node_id}")
+
+    def _launch_exited(self, s: Session, launch: LaunchRow, status: LaunchStatus) -> None:
+        launch.state = "exited"
+        launch.ranks = [r.model_dump() for r in status.ranks]
+        launch.succeeded = bool(status.succeeded)
+        launch.stopped = status.stopped or (launch.desired == "stop" and not status.succeeded)
+        launch.message = status.message
+        self.notifier.bump(f"node:{launch.node_id}")
+        self._kick()
+        self._evaluate(s, s.get(JobRow, launch.job_seq))
+
+    def _evaluate(self, s: Session, row: JobRow) -> None:
+        """Move the job on from what its current attempt's launches report. Idempotent."""
+        state = JobState(row.state)
+        if state.terminal or state == JobState.QUEUED:
+            return
+        launches = self._attempt_launches(s, row.seq, row.attempt)
+        if not launches:
+            return
+        all_exited = all(x.state == "exited" for x in launches)
+        if state in (JobState.SCHEDULED, JobState.RESTARTING) and any(x.state == "running" for x in launches):
+            self._set_state(s, row, JobState.RUNNING, f"attempt {row.attempt} running")
+            state = JobState.RUNNING
+        if state == JobState.CANCELLING:
+            if all_exited:
+                self._set_state(s, row, JobState.CANCELLED, "all workers stopped")
+            return
+        if row.requeue:
+            if all_exited:
+                row.requeue = False
+                self._set_state(s, row, JobState.QUEUED, "requeued after preemption")
+            return
+        failed = [x for x in launches if x.state == "exited" and not x.succeeded]
+        if failed:
+            failure = self._failure_of(s, row, failed)
+            row.failure = failure.model_dump()
+            self._stop_launches(s, row, f"attempt {row.attempt} failed: {failure.reason}")
+            if not all_exited:
+                return
+            spec = JobSpec.parse(row.spec)
+            if row.restarts < spec.max_restarts:
+                row.restarts += 1
+                row.restart_reasons = [*(row.restart_reasons or []), failure.model_dump()]
+                self._set_state(s, row, JobState.RESTARTING,
+                                f"restart {row.restarts} of {spec.max_restarts}: {failure.reason}")
+            else:
+                self._set_state(s, row, JobState.FAILED, failure.reason)
+            return
+        if all_exited and all(x.succeeded for x in launches):
+            row.failure = None
+            if state == JobState.SCHEDULED:
+                self._set_state(s, row, JobState.RUNNING, "started")
+            self._set_state(s, row, JobState.SUCCEEDED, "every rank finished")
+
+    def _failure_of(self, s: Session, row: JobRow, failed: list[LaunchRow]) -> FailureInfo:
+        """The failing rank that explains the attempt: one that did not return and was not
+        killed because a peer failed, else the first one that did not return."""
+        candidates: list[tuple[int, LaunchRow, RankExit]] = []
+        for launch in failed:
+            for data in launch.ranks or []:
+                rank = RankExit.model_validate(data)
+                if rank.returned:
+                    continue
+                code = rank.exit_code if rank.exit_code is not None else (-rank.signal if rank.signal else None)
+                collateral = code in _KILLED_BY_PEER or (rank.signal in (signal.SIGTERM, signal.SIGKILL))
+                candidates.append((1 if collateral else 0, launch, rank))
+        node_names = {n.id: n.name for n in s.scalars(select(NodeRow))}
+        if not candidates:
+            launch = failed[0]
+            return FailureInfo(reason=launch.message or f"launch on node {node_names.get(launch.node_id)} failed",
+                               node=node_names.get(launch.node_id), attempt=row.attempt)
+        candidates.sort(key=lambda c: (c[0], c[2].rank))
+        _, launch, rank = candidates[0]
+        if rank.signal:
+            try:
+                what = f"was killed by {signal.Signals(rank.signal).name}"
+            except ValueError:
+                what = f"was killed by signal {rank.signal}"
+        else:
+            what = f"exited with code {rank.exit_code}"
+        return FailureInfo(reason=f"rank {rank.rank} {what}", rank=rank.rank, node=node_names.get(launch.node_id),
+                           exit_code=rank.exit_code, signal=rank.signal, last_lines=rank.last_lines,
+                           attempt=row.attempt)
+
+    def _mark_lost_nodes(self, s: Session) -> None:
+        deadline = self.clock() - self.heartbeat_timeout_s
+        for node in s.scalars(select(NodeRow).where(NodeRow.state == "READY", NodeRow.last_seen < deadline)):
+            node.state = "LOST"
+            for launch in s.scalars(select(LaunchRow).where(LaunchRow.node_id == node.id,
+                                                             LaunchRow.state != "exited")):
+                self._launch_exited(s, launch, LaunchStatus(
+                    state="exited", succeeded=False,
+                    message=f"node {node.name} lost (no heartbeat for {self.heartbeat_timeout_s:g} s)"))
+
+    # ------------------------------------------------------------ internals: scheduling
+
+    def _schedule(self, s: Session) -> None:
+        nodes = self._node_views(s)
+        running, queue, rows = [], [], {}
+        for row in s.scalars(select(JobRow).where(JobRow.state.in_(
+                [JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
+                 JobState.RESTARTING.value, JobState.CANCELLING.value])).order_by(JobRow.seq)):
+            spec = JobSpec.parse(row.spec)
+            live = self._live_launches(s, row) if row.attempt else []
+            if live:
+                running.append(policy.Allocation(
+                    job_id=row.id, user=row.user or "", priority=row.priority, shape=worker_shape(spec),
+                    placement=tuple((x.node_id, x.nproc) for x in live), preemptible=spec.preemptible,
+                    started_at=row.started_at or row.submitted_at, max_runtime_s=spec.max_runtime_s))
+            elif row.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
+                queue.append(queued_job(row, spec))
+                rows[row.id] = (row, spec)
+        if not queue:
+            return
+        decisions = policy.schedule(policy.SchedulerInput(
+            nodes=tuple(nodes), running=tuple(running), queue=tuple(queue), now=self.clock()))
+        by_id = {n.id: n for n in s.scalars(select(NodeRow))}
+        for placement in decisions.placements:
+            row, spec = rows[placement.job_id]
+            self._place(s, row, spec, placement, by_id)
+        for victim in decisions.preemptions:
+            vrow = self._job(s, victim)
+            if JobState(vrow.state).active and JobState(vrow.state) != JobState.CANCELLING:
+                vrow.requeue = True
+                self._stop_launches(s, vrow, "preempted by a higher-priority job")
+        for job_id, reason in decisions.waiting.items():
+            if job_id in rows and rows[job_id][0].waiting_reason != reason:
+                rows[job_id][0].waiting_reason = reason
+
+    def _place(self, s: Session, row: JobRow, spec: JobSpec, placement: policy.Placement,
+               nodes: dict[str, NodeRow]) -> None:
+        row.attempt += 1
+        row.waiting_reason = None
+        world = sum(n for _, n in placement.placement)
+        offset = 0
+        for node_rank, (node_id, nproc) in enumerate(placement.placement):
+            s.add(LaunchRow(
+                id=f"{row.id}-a{row.attempt}-n{node_rank}", job_seq=row.seq, attempt=row.attempt, node_id=node_id,
+                node_rank=node_rank, nnodes=len(placement.placement), nproc=nproc, rank_offset=offset,
+                world_size=world, cpu=placement.shape.cpu, gpu=placement.shape.gpu, memory=placement.shape.memory,
+                desired="run", state="pending", ranks=[], stopped=False, message=""))
+            offset += nproc
+            self.notifier.bump(f"node:{node_id}")
+        names = ", ".join(f"{nodes[n].name}×{k}" for n, k in placement.placement)
+        if JobState(row.state) == JobState.QUEUED:
+            self._set_state(s, row, JobState.SCHEDULED, f"placed on {names}")
+        else:
+            s.add(EventRow(job_seq=row.seq, time=self.clock(), state=row.state,
+                           message=f"attempt {row.attempt} placed on {names}"))
+            self.notifier.bump(f"job:{row.seq}")
+
+    # ------------------------------------------------------------ internals: views
+
+    def _assignment(self, s: Session, launch: LaunchRow) -> LaunchAssignment:
+        row = s.get(JobRow, launch.job_seq)
+        spec = JobSpec.parse(row.spec)
+        head = s.scalars(select(LaunchRow).where(LaunchRow.job_seq == launch.job_seq,
+                                                 LaunchRow.attempt == launch.attempt,
+                                                 LaunchRow.node_rank == 0)).first()
+        head_node = s.get(NodeRow, head.node_id) if head else None
+        env = dict(spec.env)
+        env["RELAY_STRATEGY"] = json.dumps(spec.strategy.model_dump(mode="json"))
+        env["RELAY_CHECKPOINT"] = json.dumps(spec.checkpoint.model_dump(mode="json", by_alias=True))
+        env["RELAY_JOB_NAME"] = spec.name
+        env["RELAY_WORKERS"] = str(spec.workers)
+        return LaunchAssignment(
+            launch_id=launch.id, job_id=row.id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
+            stop_reason=launch.stop_reason, node_rank=launch.node_rank, nnodes=launch.nnodes,
+            nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
+            master_addr=head_node.address if head_node else None,
+            master_port=head.master_port if head else None,
+            entrypoint=spec.argv, bundle=row.bundle, env=env, store_url=self.store.url,
+            job_store_prefix=ArtifactStore.job_prefix(row.id))
+
+    def _job_info(self, s: Session, row: JobRow, events: bool = False) -> JobInfo:
+        placement = []
+        if row.attempt:
+            names = {n.id: n.name for n in s.scalars(select(NodeRow))}
+            placement = [PlacementInfo(node_id=x.node_id, node_name=names.get(x.node_id, x.node_id),
+                                       node_rank=x.node_rank, workers=x.nproc)
+                         for x in self._attempt_launches(s, row.seq, row.attempt)]
+        evs = []
+        if events:
+            evs = [JobEvent(time=e.time, state=JobState(e.state), message=e.message)
+                   for e in s.scalars(select(EventRow).where(EventRow.job_seq == row.seq).order_by(EventRow.id))]
+        return JobInfo(
+            id=row.id, name=row.name, user=row.user, state=JobState(row.state), spec=row.spec, bundle=row.bundle,
+            priority=row.priority, submitted_at=row.submitted_at, started_at=row.started_at,
+            finished_at=row.finished_at, attempt=row.attempt, restarts=row.restarts, placement=placement,
+            failure=FailureInfo.model_validate(row.failure) if row.failure else None,
+            restart_reasons=[FailureInfo.model_validate(x) for x in (row.restart_reasons or [])],
+            waiting_reason=row.waiting_reason if JobState(row.state) in (JobState.QUEUED, JobState.RESTARTING) else None,
+            last_metrics=row.last_metrics or {}, events=evs)
+
+    def job_count(self) -> int:
+        with self._sessions() as s:
+            return int(s.scalar(select(func.count()).select_from(JobRow)) or 0)
+
+
+def _group(items: Iterable, key: Callable) -> list[tuple[str, list]]:
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.items())

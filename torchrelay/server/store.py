@@ -1,0 +1,164 @@
+"""SQL state store (SQLAlchemy 2): jobs, events, nodes, launches, logs, metrics.
+
+Everything the server knows lives here, so a server killed and started again loses nothing.
+SQLite (WAL, busy timeout) is the embedded default; any SQLAlchemy URL works (PostgreSQL for
+several hosts). This module only maps rows; the rules live in ``service.py``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine,
+                        event)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    user: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    bundle: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    submitted_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    failure: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    restart_reasons: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    waiting_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # set when the current attempt must be torn down and the job go back to QUEUED afterwards
+    requeue: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    @property
+    def id(self) -> str:
+        return job_id_of(self.seq)
+
+
+class EventRow(Base):
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq"), index=True)
+    time: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text, default="")
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    address: Mapped[str] = mapped_column(String(256))
+    cpus: Mapped[float] = mapped_column(Float)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    memory: Mapped[int] = mapped_column(Integer)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    state: Mapped[str] = mapped_column(String(16))
+    last_seen: Mapped[float] = mapped_column(Float)
+
+
+class LaunchRow(Base):
+    __tablename__ = "launches"
+
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    nnodes: Mapped[int] = mapped_column(Integer)
+    nproc: Mapped[int] = mapped_column(Integer)
+    rank_offset: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    cpu: Mapped[float] = mapped_column(Float, default=0)
+    gpu: Mapped[int] = mapped_column(Integer, default=0)
+    memory: Mapped[int] = mapped_column(Integer, default=0)
+    desired: Mapped[str] = mapped_column(String(8), default="run")
+    stop_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    master_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ranks: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    succeeded: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    stopped: Mapped[bool] = mapped_column(Boolean, default=False)
+    message: Mapped[str] = mapped_column(Text, default="")
+
+    __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
+
+
+class LogRow(Base):
+    __tablename__ = "logs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_seq: Mapped[int] = mapped_column(Integer, index=True)
+    launch_id: Mapped[str] = mapped_column(String(96))
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    agent_seq: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+
+
+class MetricRow(Base):
+    __tablename__ = "metrics"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_seq: Mapped[int] = mapped_column(Integer, index=True)
+    launch_id: Mapped[str] = mapped_column(String(96))
+    rank: Mapped[int] = mapped_column(Integer)
+    agent_seq: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Float)
+    values: Mapped[dict[str, float]] = mapped_column(JSON)
+
+
+class CursorRow(Base):
+    """Highest agent sequence number stored per (launch, rank, stream): makes resends harmless."""
+
+    __tablename__ = "ingest_cursors"
+
+    key: Mapped[str] = mapped_column(String(160), primary_key=True)
+    last_seq: Mapped[int] = mapped_column(Integer)
+
+
+def job_id_of(seq: int) -> str:
+    return f"job-{seq}"
+
+
+def job_seq_of(job_id: str) -> int | None:
+    """``job-12`` or ``12`` -> 12; anything else -> None."""
+    text = job_id.removeprefix("job-")
+    return int(text) if text.isdigit() else None
+
+
+def make_engine(url: str) -> Engine:
+    """Engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys. Creates tables."""
+    is_sqlite = url.startswith("sqlite")
+    engine = create_engine(url, future=True,
+                           connect_args={"check_same_thread": False, "timeout": 30} if is_sqlite else {},
+                           pool_pre_ping=not is_sqlite)
+    if is_sqlite:
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # noqa: ANN001
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+    Base.metadata.create_all(engine)
+    return engine
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False, future=True)

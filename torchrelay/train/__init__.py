@@ -1,0 +1,33 @@
+"""The training library used inside worker processes.
+
+One script runs unchanged under plain ``python``, under ``torchrun`` and as a torchrelay job;
+the job spec's strategy decides how ``prepare`` distributes it::
+
+    import torchrelay.train as rt
+
+    ctx = rt.init()                                    # process group from torchrun's env
+    model, opt = rt.prepare(model, opt)                # DDP, local SGD, DiLoCo, PS … per the spec
+    loader = rt.shard(dataset, batch_size=64)          # this rank's share; set_epoch each epoch
+    for step, (x, y) in enumerate(loader, 1):
+        ...
+        rt.report(step, loss=loss.item())              # reaches the server, batched
+    rt.save_checkpoint({"model": model.state_dict()}, step)
+    if ctx.is_main:
+        rt.save_artifact("model.pt", rt.unwrap(model).state_dict())
+    rt.shutdown()
+
+Imports nothing from ``torchrelay.server``. See docs/training-library.md.
+"""
+from torchrelay.train.artifacts import artifact_url, job_store, save_artifact
+from torchrelay.train.checkpoint import checkpoint_due, load_checkpoint, save_checkpoint
+from torchrelay.train.context import (Context, LocalModule, current_context, init, prepare, shutdown,
+                                      unwrap)
+from torchrelay.train.data import shard, shard_indices
+from torchrelay.train.report import flush as flush_metrics
+from torchrelay.train.report import report
+
+__all__ = [
+    "Context", "LocalModule", "artifact_url", "checkpoint_due", "current_context", "flush_metrics",
+    "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
+    "shard", "shard_indices", "shutdown", "unwrap",
+]

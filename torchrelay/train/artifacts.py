@@ -1,0 +1,104 @@
+"""Where a worker's files go: the job's folder in the artifact store.
+
+Contract:
+- ``job_store()`` is the store and job id this process writes to. As a torchrelay job:
+  ``RELAY_STORE_URL`` (any fsspec URL) and ``RELAY_JOB_ID``. Otherwise (plain ``python`` or
+  ``torchrun``): a local folder, ``$RELAY_OUTPUT_DIR`` or ``./relay-outputs``, with job id
+  ``local``. Every path is built by ``torchrelay.storage.ArtifactStore``.
+- ``save_artifact(path, obj)`` writes ``obj`` at ``jobs/<job>/artifacts/<path>`` atomically and
+  returns its URL: ``bytes`` as they are, a local file (``str``/``os.PathLike`` that exists)
+  copied, a local directory copied file by file below ``path``, anything else (tensors, state
+  dicts) through ``torch.save``. It writes from whichever rank calls it: call it on
+  ``ctx.is_main`` for a shared model. Raises ``StorageError`` naming the path and the cause.
+- ``artifact_url(path)`` is the URL ``save_artifact(path, …)`` writes to (no I/O).
+"""
+from __future__ import annotations
+
+import io
+import os
+import threading
+from typing import Any
+
+import torch
+
+from torchrelay.errors import InvalidSpec, StorageError
+from torchrelay.storage import ArtifactStore, validate_relative_path
+
+LOCAL_JOB_ID = "local"
+DEFAULT_OUTPUT_DIR = "relay-outputs"
+
+_stores: dict[str, ArtifactStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_location(env: dict[str, str] | os._Environ) -> tuple[str, str]:
+    """(store URL, job id) for ``env``. Pure. Raises ``InvalidSpec`` when the job variables disagree."""
+    job_id = env.get("RELAY_JOB_ID") or LOCAL_JOB_ID
+    url = env.get("RELAY_STORE_URL")
+    if not url:
+        url = os.path.abspath(env.get("RELAY_OUTPUT_DIR") or DEFAULT_OUTPUT_DIR)
+    prefix = env.get("RELAY_JOB_STORE_PREFIX")
+    if prefix and prefix.strip("/") != ArtifactStore.job_prefix(job_id):
+        raise InvalidSpec(f"RELAY_JOB_STORE_PREFIX={prefix!r} does not match RELAY_JOB_ID={job_id!r}; "
+                          f"expected {ArtifactStore.job_prefix(job_id)!r}")
+    return url, job_id
+
+
+def job_store() -> tuple[ArtifactStore, str]:
+    """The (store, job id) of this process; the store is made once per URL."""
+    url, job_id = store_location(os.environ)
+    with _stores_lock:
+        store = _stores.get(url)
+        if store is None:
+            store = _stores[url] = ArtifactStore(url)
+    return store, job_id
+
+
+def artifact_url(path: str) -> str:
+    """URL of the artifact ``path`` of this job. Raises ``StorageError`` for a path leaving the job's folder."""
+    store, job_id = job_store()
+    return store.url_of(ArtifactStore.artifact_key(job_id, path))
+
+
+def serialize(obj: Any) -> bytes:
+    """Bytes of ``obj`` as ``torch.save`` writes them."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def save_artifact(path: str, obj: Any) -> str:
+    """Write ``obj`` as the job's artifact ``path`` (atomic per file); returns its URL.
+
+    Raises ``StorageError`` (bad path, unwritable store) or ``FileNotFoundError`` for a
+    ``str``/``PathLike`` naming no local file.
+    """
+    store, job_id = job_store()
+    key = ArtifactStore.artifact_key(job_id, path)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        store.put_bytes(key, bytes(obj))
+    elif isinstance(obj, (str, os.PathLike)):
+        local = os.fspath(obj)
+        if os.path.isdir(local):
+            for folder, _dirs, files in os.walk(local):
+                for name in sorted(files):
+                    full = os.path.join(folder, name)
+                    rel = os.path.relpath(full, local).replace(os.sep, "/")
+                    store.put_bytes(ArtifactStore.artifact_key(job_id, f"{validate_relative_path(path)}/{rel}"),
+                                    _read_local(full))
+        elif os.path.isfile(local):
+            store.put_bytes(key, _read_local(local))
+        else:
+            raise FileNotFoundError(f"save_artifact({path!r}, {local!r}): {local!r} is not a local file or "
+                                    "folder; pass bytes, a tensor or state dict, or the path of a file")
+    else:
+        store.put_bytes(key, serialize(obj))
+    return store.url_of(key)
+
+
+def _read_local(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise StorageError(f"cannot read local file {path!r} to save it as an artifact: {exc}") from exc

@@ -1,0 +1,243 @@
+"""``prepare``: turn a block list and a ``PipelineStrategy`` into this rank's pipeline stage.
+
+Contract:
+- Collective: every rank of the default process group calls ``prepare`` with the same
+  arguments (``sample``/``sample_target`` only matter for profiling; every rank needs
+  ``sample``, which is one micro-batch of inputs, when the plan is automatic).
+- Ranks are laid out replica-major: rank = replica × stages + stage. Stage ``k`` of every
+  replica runs blocks ``plan.stages[k]``; replicas of a stage average gradients.
+- The plan: ``plan=`` a ``Plan`` or a boundary list (first block of each stage) is taken as
+  given; otherwise every rank profiles every block on its own device, one block at a time,
+  the link between ranks 0 and 1 is timed, and ``plan_stages`` cuts the model. Every rank
+  computes the same plan from the same gathered numbers; rank 0's is broadcast to be sure.
+- Blocks built on the meta device are materialised only on the stage that runs them (block
+  ``i`` initialised with seed ``seed + i``); blocks already on a device are moved.
+- ``Pipeline.state_dict()`` holds only this stage's blocks, keyed by global block index
+  (``"blocks.<i>.<param>"``), so stage checkpoints stitch into the whole model
+  (``merge_stage_state_dicts``) and load into any other cut.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchrelay.errors import InvalidSpec
+from torchrelay.spec import PipelineStrategy
+from torchrelay.train.pipeline.meta import as_blocks, is_on_meta, materialize_module
+from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Plan,
+                                                 plan_from_boundaries, plan_stages)
+from torchrelay.train.pipeline.profile import measure_link, profile_blocks
+from torchrelay.train.pipeline.runtime import LeanPipeline, TorchPipeline
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its plan, stage, blocks and runtime."""
+
+    plan: Plan
+    stage: int
+    replica: int
+    num_stages: int
+    blocks: dict[int, nn.Module]
+    runner: LeanPipeline | TorchPipeline
+
+    @property
+    def module(self) -> nn.Module:
+        """This stage's blocks as one module (for optimizers and ``.train()``/``.eval()``)."""
+        return nn.ModuleDict({str(i): b for i, b in self.blocks.items()})
+
+    @property
+    def is_first(self) -> bool:
+        return self.runner.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.runner.is_last
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        """Forward+backward of one batch (see runtime.LeanPipeline.step). Collective."""
+        return self.runner.step(inputs, targets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"blocks.{i}.{k}": v for i, b in self.blocks.items()
+                for k, v in b.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this stage's blocks from a stage or whole-model state dict.
+
+        Raises ``KeyError`` naming a missing key when ``strict``."""
+        for i, block in self.blocks.items():
+            prefix = f"blocks.{i}."
+            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            block.load_state_dict(own, strict=strict)
+
+
+def merge_stage_state_dicts(states: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """Stitch per-stage state dicts into the whole model's (keys ``blocks.<i>.<param>``)."""
+    merged: dict[str, torch.Tensor] = {}
+    for state in states:
+        merged.update(state)
+    return merged
+
+
+def default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _stage_ranks(num_stages: int, replicas: int) -> list[list[int]]:
+    return [[r * num_stages + k for k in range(num_stages)] for r in range(replicas)]
+
+
+def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
+            strategy: PipelineStrategy | dict | None = None, ctx=None, *,
+            sample: torch.Tensor | None = None, sample_target: torch.Tensor | None = None,
+            device: torch.device | str | None = None, plan: Plan | Sequence[int] | None = None,
+            optimizer_factory: Callable | None = None, mem_cap_bytes: int | None = None,
+            runtime: Literal["auto", "lean", "torch"] = "auto", seed: int = 0,
+            virtual_stages: int = 2) -> Pipeline:
+    """This rank's ``Pipeline`` for ``blocks`` under ``strategy``. Collective; blocks.
+
+    Raises ``InvalidSpec`` when the world size does not match stages × replicas, when an
+    automatic plan has no ``sample``, or for a schedule the runtime cannot run;
+    ``PlanInfeasible`` when no cut fits the memory caps.
+    """
+    if not dist.is_initialized():
+        raise InvalidSpec("pipeline: torch.distributed is not initialised; call "
+                          "torchrelay.train.init() (or init_process_group) first")
+    if strategy is None:
+        strategy = PipelineStrategy(kind="pipeline")
+    elif isinstance(strategy, dict):
+        strategy = PipelineStrategy.model_validate({"kind": "pipeline", **strategy})
+    blocks = as_blocks(blocks)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = strategy.replicas
+    num_stages = world // replicas if strategy.stages == "auto" else strategy.stages
+    if num_stages * replicas != world or num_stages < 1:
+        raise InvalidSpec(f"pipeline: stages={strategy.stages} × replicas={replicas} needs "
+                          f"{num_stages * replicas} workers but the job has {world}; set "
+                          f"workers to stages × replicas")
+    device = torch.device(device) if device is not None else getattr(ctx, "device", None) \
+        or default_device()
+    interleaved = strategy.schedule == "interleaved_1f1b"
+    chunks_per_rank = virtual_stages if interleaved else 1
+    plan_stage_count = num_stages * chunks_per_rank
+    if interleaved and strategy.microbatches % num_stages:
+        raise InvalidSpec(f"pipeline: interleaved_1f1b needs microbatches divisible by stages "
+                          f"({num_stages}); got {strategy.microbatches}")
+    if runtime == "auto":
+        runtime = "torch" if interleaved or dist.get_backend() == "nccl" else "lean"
+    if runtime == "lean" and interleaved:
+        raise InvalidSpec("pipeline: the lean runtime runs gpipe and 1f1b; use runtime='torch' "
+                          "for interleaved_1f1b")
+    stage, replica = rank % num_stages, rank // num_stages
+
+    the_plan = _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample,
+                          sample_target, loss_fn, device, optimizer_factory, mem_cap_bytes, seed)
+
+    # Groups: every rank must create every group, in the same order.
+    layout = _stage_ranks(num_stages, replicas)
+    pp_group = None
+    dp_group = None
+    if replicas > 1:
+        for ranks in layout:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                pp_group = g
+        for k in range(num_stages):
+            g = dist.new_group([layout[r][k] for r in range(replicas)])
+            if k == stage:
+                dp_group = g
+
+    my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
+    own: dict[int, nn.Module] = {}
+    metas = {}
+    for ps in my_plan_stages:
+        for i in the_plan.stages[ps].blocks:
+            metas[i] = _meta_copy(blocks[i])
+            block = blocks[i]
+            own[i] = materialize_module(block, device, seed + i) if is_on_meta(block) \
+                else block.to(device)
+
+    if runtime == "lean":
+        first, stop = the_plan.stages[stage].first, the_plan.stages[stage].stop
+        module = nn.Sequential(*[own[i] for i in range(first, stop)])
+        prev_rank = next_rank = None
+        if stage > 0:
+            prev_rank = layout[replica][stage - 1]
+        if stage < num_stages - 1:
+            next_rank = layout[replica][stage + 1]
+        if pp_group is not None:  # group-local ranks for the p2p calls
+            prev_rank = None if prev_rank is None else dist.get_group_rank(pp_group, prev_rank)
+            next_rank = None if next_rank is None else dist.get_group_rank(pp_group, next_rank)
+        runner = LeanPipeline(
+            module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
+            loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
+            next_rank=next_rank, meta_prefix=[_meta_copy(b) for b in blocks[:first]],
+            meta_stage=[metas[i] for i in range(first, stop)], device=device,
+            dp_group=dp_group, group=pp_group)
+    else:
+        modules = [nn.Sequential(*[own[i] for i in the_plan.stages[ps].blocks])
+                   for ps in my_plan_stages]
+        runner = TorchPipeline(modules, my_plan_stages, num_stages=plan_stage_count,
+                               microbatches=strategy.microbatches, loss_fn=loss_fn,
+                               schedule=strategy.schedule, device=device, group=pp_group,
+                               dp_group=dp_group)
+    return Pipeline(plan=the_plan, stage=stage, replica=replica, num_stages=num_stages,
+                    blocks=own, runner=runner)
+
+
+def _meta_copy(block: nn.Module) -> nn.Module:
+    if is_on_meta(block):
+        return copy.deepcopy(block)
+    meta = copy.deepcopy(block).to_empty(device="meta")
+    return meta
+
+
+def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,
+               loss_fn, device, optimizer_factory, mem_cap_bytes, seed) -> Plan:
+    schedule = "1f1b" if strategy.schedule == "interleaved_1f1b" else strategy.schedule
+    if isinstance(plan, Plan):
+        if len(plan.stages) != plan_stage_count or plan.num_blocks != len(blocks):
+            raise InvalidSpec(f"pipeline: the given plan has {len(plan.stages)} stages for "
+                              f"{plan.num_blocks} blocks; this job needs {plan_stage_count} "
+                              f"stages for {len(blocks)} blocks")
+        return plan
+    if plan is not None or plan_stage_count == 1:
+        bounds = [*(plan if plan is not None else [0]), len(blocks)]
+        unit = [BlockCost(time_s=1.0, name=f"{i}:{type(b).__name__}")
+                for i, b in enumerate(blocks)]
+        return plan_from_boundaries(unit, [DeviceSpec(str(device))] * plan_stage_count,
+                                    bounds, microbatches=strategy.microbatches,
+                                    schedule=schedule)
+    if sample is None:
+        raise InvalidSpec("pipeline: stages are planned from a profile, which needs sample= "
+                          "(one micro-batch of inputs); or pass plan= (first block of each "
+                          "stage)")
+    costs = profile_blocks(blocks, sample, device, optimizer_factory=optimizer_factory,
+                           loss_fn=loss_fn, sample_target=sample_target, seed=seed)
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, [c.time_s for c in costs])
+    link = measure_link(0, 1, device=device) if dist.get_world_size() > 1 else Link()
+    links = [None] * dist.get_world_size()
+    dist.all_gather_object(links, (link.bandwidth_bytes_per_s, link.latency_s))
+    link = Link(*links[0])
+    cap = mem_cap_bytes
+    if cap is None and device.type == "cuda":
+        cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    devices = [DeviceSpec(name=f"rank{k % num_stages}:{device}", mem_cap_bytes=cap,
+                          block_times_s=tuple(times[k % num_stages]))
+               for k in range(plan_stage_count)]
+    result = [plan_stages(costs, devices, link, strategy.microbatches, schedule)]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]

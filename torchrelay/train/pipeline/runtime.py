@@ -1,0 +1,258 @@
+"""Pipeline runtimes: a lean GPipe/1F1B over torch.distributed isend/irecv, and torch's own.
+
+Contract (both runtimes, one object per rank, built by ``prepare``):
+- ``step(inputs=None, targets=None)`` runs forward and backward of one batch split into
+  ``microbatches`` along dim 0 (``torch.tensor_split``); stage 0 must pass ``inputs``, the
+  last stage ``targets``. Gradients accumulate in the stage's parameters exactly as the
+  unsplit model's would for ``loss_fn`` averaged over the batch (each micro-batch's loss is
+  weighted by its share of the batch); the caller steps its optimizer and zeroes gradients.
+  Returns the batch loss (a detached scalar) on the last stage, None elsewhere. Blocks until
+  this stage's part of the step is done; collective over the pipeline's ranks.
+- With ``dp_group`` (replicas > 1), gradients are averaged over the stage's replicas at the
+  end of ``step``.
+
+Why a runtime of our own (``LeanPipeline``): torch.distributed.pipelining spends about a
+fifth of a small micro-batch's time on bookkeeping per micro-batch on CPU (measured in
+bench/pipeline.py). This one posts every receive of the step at its start into buffers
+allocated once per input shape, sends with ``isend`` and waits for sends only at the end of
+the step, so communication overlaps compute and nothing is copied. Shapes are not exchanged
+per micro-batch: stage 0 sends one 10-integer header per step (dtype and batch shape) along
+the chain, and each stage derives its micro-batch shapes by running the model's meta-device
+blocks. It assumes point-to-point messages are matched by tag (gloo); on NCCL ``prepare``
+uses torch's runtime.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchrelay.errors import InvalidSpec
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.int16, torch.uint8, torch.bool)
+_HEADER_LEN = 10
+_HEADER_TAG = 0
+
+
+def schedule_actions(schedule: str, stage: int, num_stages: int, microbatches: int
+                     ) -> list[tuple[str, int]]:
+    """The order of forward ("F", m) and backward ("B", m) work on ``stage``. Pure.
+
+    GPipe: every forward, then every backward. 1F1B: ``num_stages - stage - 1`` warm-up
+    forwards, then alternate one forward and one backward, then the remaining backwards.
+    """
+    if schedule == "gpipe":
+        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+    if schedule != "1f1b":
+        raise InvalidSpec(f"pipeline: lean runtime schedule {schedule!r}; use 'gpipe' or '1f1b'")
+    warmup = min(num_stages - stage - 1, microbatches)
+    actions = [("F", m) for m in range(warmup)]
+    next_b = 0
+    for m in range(warmup, microbatches):
+        actions += [("F", m), ("B", next_b)]
+        next_b += 1
+    actions += [("B", m) for m in range(next_b, microbatches)]
+    return actions
+
+
+def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
+    """Sizes ``torch.tensor_split`` gives. Raises ``InvalidSpec`` if a micro-batch is empty."""
+    if batch < microbatches:
+        raise InvalidSpec(f"pipeline: batch of {batch} cannot make {microbatches} micro-batches; "
+                          f"use a batch of at least {microbatches}")
+    base, extra = divmod(batch, microbatches)
+    return [base + (1 if m < extra else 0) for m in range(microbatches)]
+
+
+class LeanPipeline:
+    """One stage of a GPipe or 1F1B pipeline over isend/irecv (see module docstring)."""
+
+    def __init__(self, module: nn.Module, *, stage: int, num_stages: int, microbatches: int,
+                 loss_fn: Callable, schedule: str, prev_rank: int | None,
+                 next_rank: int | None, meta_prefix: Sequence[nn.Module],
+                 meta_stage: Sequence[nn.Module], device: torch.device,
+                 dp_group=None, group=None):
+        self.module, self.stage, self.num_stages = module, stage, num_stages
+        self.microbatches, self.loss_fn, self.schedule = microbatches, loss_fn, schedule
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self.dp_group, self.group = dp_group, group
+        self.meta_prefix, self.meta_stage = list(meta_prefix), list(meta_stage)
+        self.actions = schedule_actions(schedule, stage, num_stages, microbatches)
+        self._buffers: dict[tuple, tuple[list, list]] = {}
+        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # -- shapes and buffers
+
+    def _exchange_header(self, inputs: torch.Tensor | None) -> tuple[int, ...]:
+        header = self._header
+        if self.is_first:
+            if inputs.dim() > _HEADER_LEN - 2:
+                raise InvalidSpec(f"pipeline: inputs of {inputs.dim()} dims; at most "
+                                  f"{_HEADER_LEN - 2} are supported")
+            header.zero_()
+            header[0] = _DTYPES.index(inputs.dtype)
+            header[1] = inputs.dim()
+            header[2:2 + inputs.dim()] = torch.tensor(inputs.shape)
+        else:
+            dist.recv(header, self.prev_rank, group=self.group, tag=_HEADER_TAG)
+        if not self.is_last:
+            dist.send(header, self.next_rank, group=self.group, tag=_HEADER_TAG)
+        return tuple(header.tolist())
+
+    def _buffers_for(self, key: tuple[int, ...]) -> tuple[list, list]:
+        """(input buffers, output-gradient buffers), one per micro-batch, made once per shape."""
+        if key in self._buffers:
+            return self._buffers[key]
+        dtype, ndim = _DTYPES[key[0]], key[1]
+        shape = key[2:2 + ndim]
+        in_bufs, grad_bufs = [], []
+        for size in microbatch_sizes(shape[0], self.microbatches):
+            x = torch.empty((size, *shape[1:]), dtype=dtype, device="meta")
+            for block in self.meta_prefix:
+                x = block(x)
+            in_meta = x
+            for block in self.meta_stage:
+                x = block(x)
+            if not self.is_first:
+                in_bufs.append(torch.empty(in_meta.shape, dtype=in_meta.dtype,
+                                           device=self.device))
+            if not self.is_last:
+                grad_bufs.append(torch.empty(x.shape, dtype=x.dtype, device=self.device))
+        self._buffers[key] = (in_bufs, grad_bufs)
+        return in_bufs, grad_bufs
+
+    # -- the step
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        if self.is_first and inputs is None:
+            raise InvalidSpec("pipeline: stage 0 must pass inputs to step()")
+        if self.is_last and targets is None:
+            raise InvalidSpec(f"pipeline: the last stage ({self.stage}) must pass targets")
+        key = self._exchange_header(inputs)
+        in_bufs, grad_bufs = self._buffers_for(key)
+        batch = key[2]
+        sizes = microbatch_sizes(batch, self.microbatches)
+        group, m_count = self.group, self.microbatches
+        # Every receive of the step is posted now; tags keep micro-batches and directions apart.
+        act_recvs = [dist.irecv(buf, self.prev_rank, group=group, tag=1 + 2 * m)
+                     for m, buf in enumerate(in_bufs)]
+        grad_recvs = [dist.irecv(buf, self.next_rank, group=group, tag=2 + 2 * m)
+                      for m, buf in enumerate(grad_bufs)]
+        if self.is_first:
+            chunks = torch.tensor_split(inputs.to(self.device), m_count)
+        if self.is_last:
+            target_chunks = torch.tensor_split(targets.to(self.device), m_count)
+        stage_inputs: list = [None] * m_count
+        outputs: list = [None] * m_count
+        sends = []
+        total_loss = torch.zeros((), device=self.device)
+        for kind, m in self.actions:
+            if kind == "F":
+                if self.is_first:
+                    x = chunks[m]
+                else:
+                    act_recvs[m].wait()
+                    x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
+                stage_inputs[m] = x
+                out = self.module(x)
+                if self.is_last:
+                    loss = self.loss_fn(out, target_chunks[m]) * (sizes[m] / batch)
+                    total_loss += loss.detach()
+                    outputs[m] = loss
+                else:
+                    outputs[m] = out
+                    send_buf = out.detach().contiguous()
+                    sends.append((dist.isend(send_buf, self.next_rank, group=group,
+                                             tag=1 + 2 * m), send_buf))
+            else:
+                if self.is_last:
+                    outputs[m].backward()
+                else:
+                    grad_recvs[m].wait()
+                    torch.autograd.backward(outputs[m], grad_bufs[m])
+                if not self.is_first:
+                    grad = stage_inputs[m].grad
+                    if grad is None:
+                        grad = torch.zeros_like(stage_inputs[m])
+                    sends.append((dist.isend(grad.contiguous(), self.prev_rank, group=group,
+                                             tag=2 + 2 * m), grad))
+                outputs[m] = stage_inputs[m] = None
+        for work, _ in sends:
+            work.wait()
+        if self.dp_group is not None:
+            average_gradients(self.module, self.dp_group)
+        return total_loss if self.is_last else None
+
+
+def average_gradients(module: nn.Module, group) -> None:
+    """Average ``module``'s gradients over ``group`` in one flat all-reduce. Collective."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+class TorchPipeline:
+    """One rank of a ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved)."""
+
+    def __init__(self, modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
+                 num_stages: int, microbatches: int, loss_fn: Callable, schedule: str,
+                 device: torch.device, group=None, dp_group=None):
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+        self.modules = list(modules)
+        self.stage_indices = list(stage_indices)
+        self.num_stages, self.microbatches = num_stages, microbatches
+        self.dp_group = dp_group
+        self.stages = [PipelineStage(mod, idx, num_stages, device, group=group)
+                       for mod, idx in zip(self.modules, self.stage_indices)]
+        if schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, loss_fn=loss_fn)
+        elif len(self.stages) != 1:
+            raise InvalidSpec(f"pipeline: schedule {schedule!r} takes one stage per rank, "
+                              f"not {len(self.stages)}")
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(schedule)
+            if cls is None:
+                raise InvalidSpec(f"pipeline: schedule {schedule!r} is not one of "
+                                  f"gpipe, 1f1b, interleaved_1f1b")
+            self.schedule = cls(self.stages[0], microbatches, loss_fn=loss_fn)
+        self.is_first = 0 in self.stage_indices
+        self.is_last = num_stages - 1 in self.stage_indices
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        if self.is_first and inputs is None:
+            raise InvalidSpec("pipeline: stage 0 must pass inputs to step()")
+        if self.is_last and targets is None:
+            raise InvalidSpec("pipeline: the last stage must pass targets")
+        losses: list = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        if self.dp_group is not None:
+            for module in self.modules:
+                average_gradients(module, self.dp_group)
+        if self.is_last:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return None

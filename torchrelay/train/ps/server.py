@@ -1,0 +1,454 @@
+"""One parameter-server shard: holds its bytes of the model, applies updates, answers pulls.
+
+Contract:
+- ``ShardState`` is everything a shard knows that must outlive it: parameters, optimizer
+  buffers (momentum, or Adam's two moments and step counts), version, every worker's clock
+  and done flag. ``ShardState.allocate(..., shared=True)`` puts it in shared memory so a
+  supervisor can restart a crashed shard process on the very same state.
+- ``ShardServer(shard, state, ...)`` binds ``host`` on port 0 (``.port``), and
+  ``serve_forever()`` serves one thread per connection until every worker has sent DONE
+  (then returns) or ``stop()`` is called. Requests are checked with
+  ``protocol.check_request`` before any payload is read; a bad one is answered with ERROR
+  and its connection closed, parameters untouched.
+- Modes (the server enforces them; workers are not trusted):
+  ``sync``  a PUSH with clock c joins round c; when every active worker has pushed, the mean
+            gradient is applied once (the ``ddp`` math) and all of them get the new parameters.
+  ``async`` a PUSH is applied on arrival and answered at once.
+  ``ssp``   as async, but the reply to a worker whose clock is more than ``staleness`` ahead
+            of the slowest active worker is held until the slowest catches up.
+  Staleness reported per PUSH = the pushing worker's clock minus the slowest active worker's.
+  A PUSH repeating the previous clock (a resend after reconnecting) is answered without
+  being applied again; any other clock is refused as out of order.
+- ``serve_shard_supervised(...)`` is the server rank's loop: it runs the shard in a child
+  process, publishes each incarnation's address through the job's store, and restarts a
+  child that dies on the shared state. Returns when a child exits 0 (all workers done).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from torchrelay.spec import ServerOptimizer
+from torchrelay.train.ps import protocol as P
+from torchrelay.train.ps.plan import Segment, ShardPlan
+from torchrelay.train.ps.rendezvous import ShardDirectory
+
+_META_VERSION, _META_INITIALISED, _META_TOKEN, _META_FIXED = 0, 1, 2, 3
+
+
+def buffers_for(optimizer: ServerOptimizer) -> tuple[str, ...]:
+    """Names of the per-element optimizer buffers, in wire order."""
+    if optimizer.name == "adam":
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if optimizer.momentum > 0 else ()
+
+
+def typed_views(flat: torch.Tensor, segments: tuple[Segment, ...]) -> list[torch.Tensor]:
+    """Typed 1-D views of ``flat`` (uint8) for each segment; they share its memory."""
+    return [flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)) for s in segments]
+
+
+@dataclasses.dataclass
+class ShardState:
+    params: torch.Tensor                 # uint8 [nbytes]
+    buffers: list[torch.Tensor]          # uint8 [nbytes] each, see buffers_for
+    steps: torch.Tensor                  # float32 [segments]: Adam's per-tensor step counts
+    meta: torch.Tensor                   # int64 [3 + 2 * workers]: version, initialised, token, clocks, done
+
+    @classmethod
+    def allocate(cls, shard: ShardPlan, buffer_names: tuple[str, ...], workers: int,
+                 shared: bool = False) -> "ShardState":
+        def make(t: torch.Tensor) -> torch.Tensor:
+            return t.share_memory_() if shared else t
+        return cls(params=make(torch.zeros(shard.nbytes, dtype=torch.uint8)),
+                   buffers=[make(torch.zeros(shard.nbytes, dtype=torch.uint8)) for _ in buffer_names],
+                   steps=make(torch.zeros(len(shard.segments), dtype=torch.float32)),
+                   meta=make(torch.zeros(_META_FIXED + 2 * workers, dtype=torch.int64)))
+
+
+class ShardServer:
+    """Serves one shard on a fresh port. See the module docstring for the contract."""
+
+    def __init__(self, shard: ShardPlan, state: ShardState, *, num_workers: int, mode: str,
+                 staleness: int, optimizer: ServerOptimizer, host: str = "127.0.0.1") -> None:
+        if mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"mode {mode!r} is not one of sync, async, ssp")
+        self.shard, self.state, self.mode = shard, state, mode
+        self.num_workers, self.staleness, self.optimizer = num_workers, staleness, optimizer
+        self.buffer_names = buffers_for(optimizer)
+        self.identity = P.ShardIdentity(shard=shard.index, plan_id=shard.plan_id,
+                                        num_workers=num_workers, shard_nbytes=shard.nbytes,
+                                        state_nbytes=shard.nbytes * (1 + len(self.buffer_names)))
+        self._param_views = typed_views(state.params, shard.segments)
+        self._buffer_views = [typed_views(b, shard.segments) for b in state.buffers]
+        self._step_views = [state.steps[i:i + 1] for i in range(len(shard.segments))]
+        self._agg_views: list[torch.Tensor] = []   # sync: the current round's gradient sum
+        self._pushed: set[int] = set()      # sync: workers in the current round
+        self._waiting = 0                   # requests held for a round or the ssp bound
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._listener = socket.create_server((host, 0))
+        self._listener.settimeout(0.2)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self.updates_applied = 0
+
+    # ------------------------------------------------------------ state helpers (lock held)
+
+    @property
+    def version(self) -> int:
+        return int(self.state.meta[_META_VERSION])
+
+    def _clock(self, worker: int) -> int:
+        return int(self.state.meta[_META_FIXED + worker])
+
+    def _done(self, worker: int) -> bool:
+        return bool(self.state.meta[_META_FIXED + self.num_workers + worker])
+
+    def _active(self) -> list[int]:
+        return [w for w in range(self.num_workers) if not self._done(w)]
+
+    def _min_active_clock(self) -> int:
+        active = self._active()
+        return min(self._clock(w) for w in active) if active else self.version
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        """One optimizer step of the shard with ``grads`` (typed views), via torch.optim's
+        functional SGD / Adam so the math is exactly PyTorch's."""
+        cfg = self.optimizer
+        if self._param_views:
+            with torch.no_grad():
+                if cfg.name == "adam":
+                    torch.optim.adam.adam(
+                        self._param_views, grads, self._buffer_views[0], self._buffer_views[1], [],
+                        self._step_views, foreach=False, amsgrad=False, beta1=cfg.betas[0],
+                        beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=1e-8,
+                        maximize=False)
+                else:
+                    momentum = self._buffer_views[0] if self._buffer_views else [None] * len(grads)
+                    torch.optim.sgd.sgd(
+                        self._param_views, grads, list(momentum), foreach=False,
+                        weight_decay=cfg.weight_decay, momentum=cfg.momentum, lr=cfg.lr,
+                        dampening=0.0, nesterov=False, maximize=False)
+        self.state.meta[_META_VERSION] += 1
+        self.updates_applied += 1
+
+    def _maybe_finish_sync_round(self) -> None:
+        active = self._active()
+        if not self._pushed or any(w not in self._pushed for w in active):
+            return
+        count = len(self._pushed)
+        if count > 1 and self._agg_views:
+            torch._foreach_div_(self._agg_views, float(count))
+        self._apply(self._agg_views)
+        version = self.version
+        for w in range(self.num_workers):
+            self.state.meta[_META_FIXED + w] = version
+        self._pushed.clear()
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------ serving
+
+    def serve_forever(self) -> None:
+        """Accept and serve until all workers are done or ``stop()``. Blocks."""
+        threads = []
+        try:
+            while not self._stopping:
+                try:
+                    conn, _ = self._listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+                thread.start()
+                threads.append(thread)
+        finally:
+            self._listener.close()
+
+    def stop(self) -> None:
+        """Stop accepting and wake every held request. Idempotent; does not block."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        recv = torch.empty(self.shard.nbytes, dtype=torch.uint8)
+        recv_views = typed_views(recv, self.shard.segments)
+        send = torch.empty(self.shard.nbytes, dtype=torch.uint8)
+        try:
+            while not self._stopping:
+                try:
+                    header = P.recv_header(conn)
+                except P.ProtocolError as exc:
+                    self._reply_error(conn, str(exc))
+                    return
+                reason = P.check_request(header, self.identity)
+                if reason is not None:
+                    self._reply_error(conn, reason)
+                    return
+                if not self._handle(conn, header, recv, recv_views, send):
+                    return
+        except (ConnectionError, OSError):
+            return
+        finally:
+            conn.close()
+
+    def _handle(self, conn: socket.socket, h: P.Header, recv: torch.Tensor,
+                recv_views: list[torch.Tensor], send: torch.Tensor) -> bool:
+        """Serve one checked request. Returns False when the connection must close."""
+        op = h.op
+        if op == P.Op.PUSH:
+            P.recv_exact_into(conn, memoryview(recv.numpy()))
+            return self._push(conn, h, recv_views, send)
+        if op == P.Op.HELLO:
+            with self._cond:
+                clock = self.version if self.mode == "sync" else self._clock(h.worker)
+                initialised = int(self.state.meta[_META_INITIALISED])
+            self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, clock, self.shard.plan_id, 0,
+                                       initialised))
+            return True
+        if op == P.Op.INIT:
+            P.recv_exact_into(conn, memoryview(recv.numpy()))
+            with self._cond:
+                if not self.state.meta[_META_INITIALISED]:
+                    self.state.params.copy_(recv)
+                    self.state.meta[_META_INITIALISED] = 1
+                    self._cond.notify_all()
+            self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id))
+            return True
+        if op == P.Op.PULL:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or bool(self.state.meta[_META_INITIALISED]))
+                send.copy_(self.state.params)
+                version = self.version
+            self._reply(conn, P.Header(P.Op.PARAMS, h.worker, self.shard.index, version, self.shard.plan_id,
+                                       self.shard.nbytes), send)
+            return True
+        if op == P.Op.DONE:
+            with self._cond:
+                self.state.meta[_META_FIXED + self.num_workers + h.worker] = 1
+                if self.mode == "sync":
+                    self._maybe_finish_sync_round()
+                if not self._active():
+                    self._stopping = True
+                self._cond.notify_all()
+            self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id))
+            return True
+        if op == P.Op.GET_STATE:
+            with self._cond:
+                payload = self._state_bytes()
+            meta = json.dumps(self._state_meta()).encode()
+            self._reply(conn, P.Header(P.Op.STATE, h.worker, self.shard.index, self.version, self.shard.plan_id,
+                                       len(payload) + len(meta), len(meta)), payload, meta)
+            return True
+        if op == P.Op.SET_STATE:
+            blob = torch.empty(h.payload_len, dtype=torch.uint8)
+            P.recv_exact_into(conn, memoryview(blob.numpy()))
+            try:
+                meta = json.loads(blob[self.identity.state_nbytes:].numpy().tobytes())
+                self._load_state(blob[:self.identity.state_nbytes], meta)
+            except (ValueError, KeyError, TypeError) as exc:
+                self._reply_error(conn, f"SET_STATE meta is not valid: {exc}")
+                return False
+            self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id))
+            return True
+        self._reply_error(conn, f"op {op.name} is not handled")  # unreachable: check_request
+        return False
+
+    def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor], send: torch.Tensor) -> bool:
+        w, step = h.worker, h.step
+        with self._cond:
+            if not self.state.meta[_META_INITIALISED]:
+                self._reply_error_locked(conn, "PUSH before the shard was initialised (INIT first)")
+                return False
+            if self.mode == "sync":
+                expected = self.version
+                staleness, depth = 0, self._waiting
+                if step == expected - 1:
+                    pass  # a resend of the round already applied: just answer it
+                elif step != expected or w in self._pushed:
+                    self._reply_error_locked(conn, f"PUSH from worker {w} at clock {step} is out of order; "
+                                                   f"shard {self.shard.index} is in round {expected}")
+                    return False
+                else:
+                    # The round's first gradient buffer becomes the sum: that connection is
+                    # blocked until the round ends, so its buffer stays put (no copy).
+                    if not self._pushed:
+                        self._agg_views = grads
+                    elif grads:
+                        torch._foreach_add_(self._agg_views, grads)
+                    self._pushed.add(w)
+                    self._waiting += 1
+                    self._maybe_finish_sync_round()
+                    self._cond.wait_for(lambda: self._stopping or self.version > step)
+                    self._waiting -= 1
+                    if self.version <= step:
+                        return False
+                # sync: no update can start until this worker pushes again, so the parameter
+                # bytes are stable while we send them: no snapshot copy needed.
+                version, payload = self.version, self.state.params
+            else:
+                clock = self._clock(w)
+                if step == clock - 1:
+                    staleness = max(0, step - self._min_active_clock())
+                elif step != clock:
+                    self._reply_error_locked(conn, f"PUSH from worker {w} at clock {step} is out of order; "
+                                                   f"its next clock on shard {self.shard.index} is {clock}")
+                    return False
+                else:
+                    staleness = step - self._min_active_clock()
+                    self._apply(grads)
+                    self.state.meta[_META_FIXED + w] = step + 1
+                    self._cond.notify_all()
+                    if self.mode == "ssp":
+                        self._waiting += 1
+                        self._cond.wait_for(
+                            lambda: self._stopping or self._clock(w) - self._min_active_clock() <= self.staleness)
+                        self._waiting -= 1
+                depth = self._waiting
+                send.copy_(self.state.params)
+                version, payload = self.version, send
+        self._reply(conn, P.Header(P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id,
+                                   self.shard.nbytes, P.join_aux(staleness, depth)), payload)
+        return True
+
+    # ------------------------------------------------------------ state transfer
+
+    def _state_bytes(self) -> bytes:
+        parts = [self.state.params] + list(self.state.buffers)
+        return torch.cat(parts).numpy().tobytes() if parts[0].numel() else b""
+
+    def _state_meta(self) -> dict[str, Any]:
+        meta = self.state.meta
+        return {"version": int(meta[_META_VERSION]), "token": int(meta[_META_TOKEN]),
+                "clocks": [int(meta[_META_FIXED + w]) for w in range(self.num_workers)],
+                "steps": [float(x) for x in self.state.steps.tolist()],
+                "buffers": list(self.buffer_names)}
+
+    def _load_state(self, blob: torch.Tensor, meta: dict[str, Any]) -> None:
+        token = int(meta["token"])
+        if list(meta["buffers"]) != list(self.buffer_names):
+            raise ValueError(f"state has buffers {meta['buffers']}, this shard's optimizer needs "
+                             f"{list(self.buffer_names)}")
+        clocks = [int(c) for c in meta["clocks"]]
+        if len(clocks) != self.num_workers or len(meta["steps"]) != len(self.shard.segments):
+            raise ValueError(f"state is for {len(clocks)} workers and {len(meta['steps'])} segments; "
+                             f"this shard has {self.num_workers} and {len(self.shard.segments)}")
+        with self._cond:
+            if token and token == int(self.state.meta[_META_TOKEN]):
+                return  # another worker already restored this same checkpoint
+            n = self.shard.nbytes
+            self.state.params.copy_(blob[:n])
+            for i, buf in enumerate(self.state.buffers):
+                buf.copy_(blob[n * (i + 1):n * (i + 2)])
+            self.state.steps.copy_(torch.tensor(meta["steps"], dtype=torch.float32))
+            self.state.meta[_META_VERSION] = int(meta["version"])
+            for w, c in enumerate(clocks):
+                self.state.meta[_META_FIXED + w] = c
+            self.state.meta[_META_TOKEN] = token
+            self.state.meta[_META_INITIALISED] = 1
+            self._pushed.clear()
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ replies
+
+    def _reply(self, conn: socket.socket, header: P.Header, *payloads: Any) -> None:
+        conn.sendall(P.pack(header))
+        for payload in payloads:
+            if isinstance(payload, torch.Tensor):
+                if payload.numel():
+                    conn.sendall(memoryview(payload.numpy()))
+            else:
+                conn.sendall(payload)
+
+    def _reply_error(self, conn: socket.socket, reason: str) -> None:
+        data = reason.encode()
+        try:
+            self._reply(conn, P.Header(P.Op.ERROR, 0, self.shard.index, 0, self.shard.plan_id, len(data)), data)
+        except OSError:
+            pass
+
+    def _reply_error_locked(self, conn: socket.socket, reason: str) -> None:
+        # Short message on a connection we then close: sending under the lock is harmless.
+        self._reply_error(conn, reason)
+
+
+# ---------------------------------------------------------------- the server rank
+
+
+def _shard_process_main(shard_json: str, index: int, state: ShardState, config: dict[str, Any],
+                        report: Any) -> None:
+    """Child process: serve one shard on ``state`` (shared memory) until all workers are done."""
+    from torchrelay.train.ps.plan import Plan
+
+    torch.set_num_threads(1)
+    shard = Plan.from_json(shard_json).shard(index)
+    server = ShardServer(shard, state, num_workers=config["num_workers"], mode=config["mode"],
+                         staleness=config["staleness"], optimizer=ServerOptimizer(**config["optimizer"]),
+                         host=config["host"])
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # never outlive the supervisor
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    report.send((server.host, server.port, os.getpid()))
+    report.close()
+    server.serve_forever()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def serve_shard_supervised(plan_json: str, index: int, *, num_workers: int, mode: str, staleness: int,
+                           optimizer: ServerOptimizer, directory: ShardDirectory, host: str,
+                           max_restarts: int = 3) -> None:
+    """Run shard ``index`` in a child process; restart it on the same state when it dies.
+
+    Blocks until a child exits 0 (every worker sent DONE). Raises ``RuntimeError`` after
+    ``max_restarts`` deaths.
+    """
+    import torch.multiprocessing as mp
+
+    from torchrelay.train.ps.plan import Plan
+
+    shard = Plan.from_json(plan_json).shard(index)
+    state = ShardState.allocate(shard, buffers_for(optimizer), num_workers, shared=True)
+    config = {"num_workers": num_workers, "mode": mode, "staleness": staleness,
+              "optimizer": optimizer.model_dump(), "host": host}
+    ctx = mp.get_context("spawn")
+    deaths = 0
+    while True:
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_shard_process_main, args=(plan_json, index, state, config, writer),
+                            name=f"ps-shard-{index}")
+        child.start()
+        writer.close()
+        try:
+            bound_host, port, pid = reader.recv()
+        except EOFError:
+            bound_host = None
+        reader.close()
+        if bound_host is not None:
+            directory.publish(index, f"{bound_host}:{port}", pid)
+        child.join()
+        if child.exitcode == 0:
+            return
+        deaths += 1
+        print(f"torchrelay.ps: shard {index} process {child.pid} died (exit code {child.exitcode}); "
+              f"restart {deaths} of {max_restarts} on its last state", file=sys.stderr, flush=True)
+        if deaths > max_restarts:
+            raise RuntimeError(f"parameter-server shard {index} died {deaths} times; "
+                               f"giving up after max_restarts={max_restarts}")
