@@ -12,7 +12,6 @@ import argparse
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchrelay.train as rt
@@ -30,18 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def evaluate(model: torch.nn.Module, test: torch.utils.data.TensorDataset, ctx: rt.Context) -> float:
-    """Accuracy on the whole test set: each rank scores its exact share, then the counts are summed."""
-    share = torch.tensor(rt.shard_indices(len(test), pad=False), dtype=torch.int64)
-    images, labels = test.tensors[0][share].to(ctx.device), test.tensors[1][share].to(ctx.device)
+def evaluate(model: torch.nn.Module, test: torch.utils.data.TensorDataset, device: torch.device) -> float:
+    """Accuracy on the whole test set (one process; no collective, so any strategy can call it)."""
+    images, labels = test.tensors[0].to(device), test.tensors[1].to(device)
     model.eval()
     with torch.no_grad():
-        correct = (model(images).argmax(dim=1) == labels).sum()
-    counts = torch.stack([correct.to(torch.float64), torch.tensor(float(len(share)), dtype=torch.float64,
-                                                                  device=ctx.device)])
-    if ctx.distributed:
-        dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
+        return (model(images).argmax(dim=1) == labels).double().mean().item()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         if ctx.is_main:
             print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total_steps} loss={loss.item():.4f}", flush=True)
 
-    accuracy = evaluate(rt.unwrap(model), test_set, ctx)
-    rt.report(step, accuracy=accuracy, total_steps=total_steps)
     if ctx.is_main:
+        accuracy = evaluate(rt.unwrap(model), test_set, ctx.device)
+        rt.report(step, accuracy=accuracy, total_steps=total_steps)
         url = rt.save_artifact("model.pt", rt.unwrap(model).state_dict())
         print(f"test_accuracy={accuracy:.3f}")
         print(f"model saved to {url}", flush=True)

@@ -70,7 +70,7 @@ def test_cancel_mid_run_leaves_no_process(cluster_factory):
         for line in c.follow_logs(info.id, wait=5):
             if "still working" in line.text:
                 break
-        assert len(worker_pids(cluster.home)) == 2
+        assert len(worker_pids(cluster.home)) >= 2  # torchrun, the exit hooks and the workers
         c.cancel(info.id)
         final = c.wait(info.id, timeout=60)
         assert final.state == JobState.CANCELLED

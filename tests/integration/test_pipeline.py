@@ -70,6 +70,7 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
         for case in per_rank:
             assert case["grad_max_err"] < 1e-5, (name, case)
             assert case["num_params"] > 0, (name, case)  # every rank owns some blocks
+            assert case["materialised_only_own"], name  # the rest stays on the meta device
         losses = [c["loss"] for c in per_rank if c["loss"] is not None]
         assert len(losses) == 1, name  # only the last stage reports a loss
         assert losses[0] == pytest.approx(per_rank[0]["reference_loss"], rel=1e-5), name
@@ -79,16 +80,42 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     auto = cases["lm-lean-1f1b-auto"]
     assert auto[0]["plan"] == auto[1]["plan"]
     assert len(auto[0]["plan"]["stages"]) == 2
+    errors = results[0]["errors"]
+    assert errors["stages"].startswith("InvalidSpec") and "stages=3" in errors["stages"] \
+        and "has 2" in errors["stages"]
+    assert errors["sample"].startswith("InvalidSpec") and "sample=" in errors["sample"]
+    # Data parallel over stage replicas: each rank is replica r of a one-stage pipeline.
+    replicas = [r["replicas"] for r in results]
+    assert [r["replica"] for r in replicas] == [0, 1]
+    for r in replicas:
+        assert r["stages"] == 1 and r["blocks"] == list(range(6))
+        assert r["grad_max_err"] < 1e-5
+        assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5)
     # Checkpoint: stage state dicts stitch into the unsplit model's and reload.
     for case in results[0]["cases"]:
         if case["name"] == "mlp-lean-1f1b":
             assert case["checkpoint_roundtrip"] is True
 
 
+@pytest.mark.slow
 def test_lean_pipeline_matches_torch_runtime_gradients(tmp_path):
+    """Also implied by the test above (both runtimes equal the unsplit model); kept explicit."""
     results = _run_workers(tmp_path, 2, "lean_vs_torch")
     for r in results:
         assert r["max_diff_lean_vs_torch"] < 1e-6
+
+
+@pytest.mark.slow
+def test_two_stages_times_two_replicas(tmp_path):
+    """4 ranks: 2 replicas of a 2-stage pipeline, each replica on half the batch."""
+    results = _run_workers(tmp_path, 4, "replicated_stages")
+    for r in results:
+        assert r["grad_max_err"] < 1e-5, r
+    assert sorted((r["replica"], r["stage"]) for r in results) == [(0, 0), (0, 1), (1, 0),
+                                                                  (1, 1)]
+    last = [r for r in results if r["loss"] is not None]
+    assert len(last) == 2
+    assert sum(r["loss"] for r in last) / 2 == pytest.approx(last[0]["reference_loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------- the worker side
@@ -103,6 +130,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
     from torchrelay.spec import PipelineStrategy
     from torchrelay.train.pipeline import (build_on_meta, materialize_module,
                                            merge_stage_state_dicts, prepare)
+    from torchrelay.train.pipeline.meta import is_on_meta
     from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss, mse_loss
 
     torch.set_num_threads(1)
@@ -127,20 +155,29 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         meta = build_on_meta(make_blocks)
         strategy = PipelineStrategy(kind="pipeline", microbatches=microbatches,
                                     schedule=schedule)
-        pipe = prepare(copy.deepcopy(meta), loss_fn, strategy, sample=sample,
-                       sample_target=sample_target, plan=plan, runtime=runtime, seed=seed)
-        loss = pipe.step(inputs if pipe.is_first else None, targets if pipe.is_last else None)
+        given = copy.deepcopy(meta)
+        pipe = prepare(given, loss_fn, strategy, sample=sample, sample_target=sample_target,
+                       plan=plan, runtime=runtime, seed=seed)
+        others_on_meta = all(is_on_meta(b) for i, b in enumerate(given) if i not in pipe.blocks)
+        own_materialised = not any(is_on_meta(b) for b in pipe.blocks.values())
         full, ref_loss = reference(meta, seed, inputs, targets, loss_fn, microbatches)
         err = 0.0
         num_params = 0
-        for i, block in pipe.blocks.items():
-            for p, q in zip(block.parameters(), full[i].parameters()):
-                err = max(err, (p.grad - q.grad).abs().max().item())
-                num_params += p.numel()
+        # Step twice: the first step of a shape learns it, the second runs on cached buffers.
+        for _ in range(2):
+            pipe.module.zero_grad(set_to_none=True)
+            loss = pipe.step(inputs if pipe.is_first else None,
+                             targets if pipe.is_last else None)
+            num_params = 0
+            for i, block in pipe.blocks.items():
+                for p, q in zip(block.parameters(), full[i].parameters()):
+                    err = max(err, (p.grad - q.grad).abs().max().item())
+                    num_params += p.numel()
         case = {"name": name, "loss": None if loss is None else loss.item(),
                 "reference_loss": ref_loss, "grad_max_err": err, "num_params": num_params,
                 "blocks": sorted(pipe.blocks), "num_blocks": len(meta),
-                "plan": pipe.plan.to_dict()}
+                "plan": pipe.plan.to_dict(),
+                "materialised_only_own": others_on_meta and own_materialised}
         return case, pipe, full
 
     torch.manual_seed(0)
@@ -181,6 +218,32 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
             case, _, _ = run_case(f"lm-{runtime}-1f1b-auto", lm, lm_data, lm_loss, "1f1b",
                                   runtime, None)
             result["cases"].append(case)
+        errors = {}
+        for label, kwargs in [("stages", {"strategy": PipelineStrategy(kind="pipeline",
+                                                                       stages=3)}),
+                              ("sample", {"strategy": PipelineStrategy(kind="pipeline")})]:
+            try:
+                prepare(build_on_meta(mlp), mse_loss, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the test checks its type and text
+                errors[label] = f"{type(exc).__name__}: {exc}"
+        result["errors"] = errors
+        # replicas=2 on 2 ranks: one stage per replica, each replica on half the batch; the
+        # averaged gradients must equal the unsplit model's on the whole batch.
+        meta = build_on_meta(mlp)
+        strategy = PipelineStrategy(kind="pipeline", microbatches=2, replicas=2)
+        pipe = prepare(copy.deepcopy(meta), mse_loss, strategy, plan=[0], runtime="lean", seed=5)
+        inputs, targets = mlp_data[0], mlp_data[1]
+        half = inputs.shape[0] // 2
+        mine = slice(rank * half, (rank + 1) * half)
+        loss = pipe.step(inputs[mine], targets[mine])
+        full, ref_loss = reference(meta, 5, inputs, targets, mse_loss, 4)
+        err = max((p.grad - q.grad).abs().max().item()
+                  for i, block in pipe.blocks.items()
+                  for p, q in zip(block.parameters(), full[i].parameters()))
+        dist.all_reduce(loss)
+        result["replicas"] = {"stages": pipe.num_stages, "replica": pipe.replica,
+                              "grad_max_err": err, "loss": loss.item() / 2,
+                              "reference_loss": ref_loss, "blocks": sorted(pipe.blocks)}
     elif scenario == "lean_vs_torch":
         grads = {}
         for runtime in ("lean", "torch"):
@@ -189,6 +252,22 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
             grads[runtime] = [p.grad.clone() for p in pipe.parameters()]
         result["max_diff_lean_vs_torch"] = max(
             (a - b).abs().max().item() for a, b in zip(grads["lean"], grads["torch"]))
+    elif scenario == "replicated_stages":
+        meta = build_on_meta(mlp)
+        strategy = PipelineStrategy(kind="pipeline", microbatches=2, replicas=2)
+        pipe = prepare(copy.deepcopy(meta), mse_loss, strategy, plan=[0, 2], runtime="lean",
+                       seed=5)
+        inputs, targets = mlp_data[0], mlp_data[1]
+        half = inputs.shape[0] // 2
+        mine = slice(pipe.replica * half, (pipe.replica + 1) * half)
+        loss = pipe.step(inputs[mine], targets[mine])
+        full, ref_loss = reference(meta, 5, inputs, targets, mse_loss, 4)
+        result = {"replica": pipe.replica, "stage": pipe.stage, "reference_loss": ref_loss,
+                  "loss": None if loss is None else loss.item(),
+                  "grad_max_err": max((p.grad - q.grad).abs().max().item()
+                                      for i, block in pipe.blocks.items()
+                                      for p, q in zip(block.parameters(),
+                                                      full[i].parameters()))}
     Path(out_dir, f"{scenario}-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ Contract:
   to everything of the launch after ``grace_s``; returns only when no process is left.
   Idempotent.
 
-Files under ``run_dir``: ``logs/rank-R.{stdout,stderr}``, ``metrics/rank-R.jsonl``,
+Files under ``run_dir``: ``logs/rank-R.log`` (tagged lines, see the worker), ``metrics/rank-R.jsonl``,
 ``status/rank-R.json`` (the worker's marker) and ``torchrun.log`` (torchrun's own output).
 """
 from __future__ import annotations
@@ -210,6 +210,15 @@ class LineTailer:
         return [p.rstrip(b"\r").decode("utf-8", errors="replace") for p in pieces]
 
 
+def split_tagged_line(line: str) -> tuple[str, str]:
+    """``("stdout" | "stderr", text)`` of one line of a rank's log (``o ``/``e `` prefix)."""
+    if line.startswith("e "):
+        return "stderr", line[2:]
+    if line.startswith("o "):
+        return "stdout", line[2:]
+    return "stdout", line
+
+
 def parse_metric_line(line: str, *, rank: int, seq: int) -> wire.MetricRecord | None:
     """A ``MetricRecord`` from one JSON line ``{"step", "time", "values"}``; None if malformed."""
     try:
@@ -284,9 +293,9 @@ class Launch:
         self._lock = threading.RLock()
         self._stopped = False
         self._status: wire.LaunchStatus | None = None
-        self._log_tailers = {(rank, stream): LineTailer(self.run_dir / "logs" / f"rank-{rank}.{stream}")
-                             for rank in self.ranks for stream in ("stdout", "stderr")}
-        self._log_seq = {key: 0 for key in self._log_tailers}
+        self._log_tailers = {rank: LineTailer(self.run_dir / "logs" / f"rank-{rank}.log")
+                             for rank in self.ranks}
+        self._log_seq = {(rank, stream): 0 for rank in self.ranks for stream in ("stdout", "stderr")}
         self._metric_tailers = {rank: LineTailer(self.run_dir / "metrics" / f"rank-{rank}.jsonl")
                                 for rank in self.ranks}
         self._metric_seq = {rank: 0 for rank in self.ranks}
@@ -331,8 +340,9 @@ class Launch:
     # -------------------------------------------------------------- logs and metrics
 
     def _read_files(self, final: bool) -> None:
-        for (rank, stream), tailer in self._log_tailers.items():
-            for text in tailer.read(final=final):
+        for rank, tailer in self._log_tailers.items():
+            for line in tailer.read(final=final):
+                stream, text = split_tagged_line(line)
                 self._pending_logs.append(wire.LogRecord(
                     rank=rank, attempt=self.assignment.attempt, stream=stream,
                     seq=self._log_seq[(rank, stream)], text=text))

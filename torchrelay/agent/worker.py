@@ -32,13 +32,17 @@ Rank marker ``$RELAY_RANK_STATUS_DIR/rank-$RANK.json`` (only when that variable 
 written by the script process as ``{"returned": bool, "exit_code": int}`` when the script
 ends, then rewritten by the supervisor, once the script process is reaped, as
 ``{"returned": bool, "exit_code": int|null, "signal": int|null, "final": true,
-"script_exit_code": int|null, "pid": int, "ended_at": float}`` where ``exit_code``/``signal`` describe how the
-script process really ended (``signal`` set when it was killed, e.g. 6 for an abort during
-teardown). In ``--exec`` mode ``returned`` means "exited 0". Markers are written atomically
+"script_exit_code": int|null, "pid": int, "ended_at": float}`` where ``exit_code`` and
+``signal`` describe how the script process really ended (``signal`` set when it was killed,
+e.g. 6 for an abort during teardown). In ``--exec`` mode ``returned`` means "exited 0". Markers are written atomically
 (temporary file + rename).
 
-Output: when ``$RELAY_LOG_DIR`` is set, the supervisor sends its and the script's stdout and
-stderr to ``$RELAY_LOG_DIR/rank-$RANK.stdout`` / ``.stderr`` (append), which the launcher tails.
+Output: when ``$RELAY_LOG_DIR`` is set, the script's stdout and stderr are pipes the supervisor
+reads; it appends them, line by line in the order it read them, to one file
+``$RELAY_LOG_DIR/rank-$RANK.log`` where each line starts with ``o `` (stdout) or ``e ``
+(stderr). One file keeps a traceback after the lines printed before it, which two files could
+not. Lines longer than 64 KiB are cut into pieces. Without ``$RELAY_LOG_DIR`` the script
+inherits the supervisor's stdout and stderr.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import atexit
 import gc
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -163,18 +168,89 @@ def read_marker() -> dict | None:
         return None
 
 
-def _redirect_output() -> None:
-    """Point fds 1 and 2 at the rank's log files when ``RELAY_LOG_DIR`` is set."""
+MAX_LINE_BYTES = 64 * 1024
+
+
+def _log_path() -> str | None:
     directory = os.environ.get("RELAY_LOG_DIR")
     if not directory:
-        return
+        return None
     os.makedirs(directory, exist_ok=True)
-    rank = os.environ.get("RANK", "0")
-    for fd, stream in ((1, "stdout"), (2, "stderr")):
-        target = os.open(os.path.join(directory, f"rank-{rank}.{stream}"),
-                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
+    return os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}.log")
+
+
+class RankLog:
+    """Appends tagged lines (``o `` stdout, ``e `` stderr) to a rank's log file."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.partial = {"o": b"", "e": b""}
+
+    def feed(self, tag: str, data: bytes) -> None:
+        """Write the complete lines in ``partial + data``; keep the unterminated rest.
+
+        The other stream's unterminated rest is written first, as its own line: output
+        stays in the order it was read, as a terminal would show it.
+        """
+        for other in self.partial:
+            if other != tag:
+                self.end(other)
+        lines = (self.partial[tag] + data).split(b"\n")
+        rest = lines.pop()
+        while len(rest) > MAX_LINE_BYTES:
+            lines.append(rest[:MAX_LINE_BYTES])
+            rest = rest[MAX_LINE_BYTES:]
+        self.partial[tag] = rest
+        self._write(tag, lines)
+
+    def end(self, tag: str) -> None:
+        """The stream ended: write its unterminated rest, if any."""
+        if self.partial[tag]:
+            self._write(tag, [self.partial[tag]])
+            self.partial[tag] = b""
+
+    def note(self, text: str) -> None:
+        self._write("e", [text.encode()])
+
+    def _write(self, tag: str, lines: list[bytes]) -> None:
+        if lines:
+            prefix = tag.encode() + b" "
+            os.write(self.fd, b"".join(prefix + line + b"\n" for line in lines))
+
+    def close(self) -> None:
+        for tag in self.partial:
+            self.end(tag)
+        os.close(self.fd)
+
+
+def _pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog) -> int:
+    """Copy the child's output pipes into ``rank_log`` until it exits; its wait status.
+
+    After the child is reaped, output still arriving (from a grandchild holding the pipe) is
+    read for at most one more second.
+    """
+    status = None
+    reaped_at = 0.0
+    while streams:
+        if status is None:
+            pid, wait_status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                status, reaped_at = wait_status, time.monotonic()
+        elif time.monotonic() - reaped_at > 1.0:
+            break
+        ready, _, _ = select.select(list(streams), [], [], 0.2)
+        for fd in ready:
+            data = os.read(fd, 65536)
+            if data:
+                rank_log.feed(streams[fd], data)
+            else:
+                rank_log.end(streams.pop(fd))
+                os.close(fd)
+    for fd in streams:
+        os.close(fd)
+    if status is None:  # it closed its stdout and stderr but lives on
+        _, status = os.waitpid(child, 0)
+    return status
 
 
 # ---------------------------------------------------------------- the script process
@@ -265,22 +341,26 @@ def run_script(kind: str, target: str, args: list[str]) -> None:
 
 
 def supervise(kind: str, target: str, args: list[str]) -> int:
-    """Fork the script process, forward signals, reap it, write the final marker.
-
-    Returns the supervisor's exit code (``supervisor_exit_code``).
-    """
+    """Fork the script process, forward signals, copy its output, reap it, write the final
+    marker. Returns the supervisor's exit code (``supervisor_exit_code``)."""
     path = _marker_path()
     if path is not None:
         try:
             os.remove(path)  # a marker left by an earlier run must not speak for this one
         except FileNotFoundError:
             pass
+    log_path = _log_path()
+    pipes = (os.pipe(), os.pipe()) if log_path else ()
     sys.stdout.flush()
     sys.stderr.flush()
     child = os.fork()
     if child == 0:
         try:
             _die_with_parent()
+            for (read_end, write_end), fd in zip(pipes, (1, 2)):
+                os.dup2(write_end, fd)
+                os.close(read_end)
+                os.close(write_end)
             if kind == "exec":
                 os.execvp(target, [target, *args])
             run_script(kind, target, args)
@@ -297,24 +377,27 @@ def supervise(kind: str, target: str, args: list[str]) -> int:
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except ChildProcessError:  # cannot happen for our own child, but never spin
-            status = 0
-            break
-        except InterruptedError:
-            continue
+    rank_log = RankLog(log_path) if log_path else None
+    if rank_log is not None:
+        for _, write_end in pipes:
+            os.close(write_end)
+        status = _pump_until_exit(child, {pipes[0][0]: "o", pipes[1][0]: "e"}, rank_log)
+    else:
+        _, status = os.waitpid(child, 0)
     exit_code, sig = decode_wait_status(status)
     marker = final_marker(read_marker(), exit_code, sig, exec_mode=(kind == "exec"))
     marker["pid"] = child
     marker["ended_at"] = time.time()
-    write_marker(marker)
     if marker["returned"] and sig is not None:
-        print(f"torchrelay worker: rank {os.environ.get('RANK', '?')} script returned; "
-              f"process then died of signal {sig} during shutdown; counted as success",
-              file=sys.stderr)
+        note = (f"torchrelay worker: rank {os.environ.get('RANK', '?')} script returned; "
+                f"process then died of signal {sig} during shutdown; counted as success")
+        if rank_log is not None:
+            rank_log.note(note)
+        else:
+            print(note, file=sys.stderr)
+    if rank_log is not None:
+        rank_log.close()  # every line is in the file before the marker says the rank ended
+    write_marker(marker)
     return supervisor_exit_code(marker)
 
 
@@ -325,7 +408,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"torchrelay worker: {exc}", file=sys.stderr)
         return 2
-    _redirect_output()
     return supervise(kind, target, args)
 
 

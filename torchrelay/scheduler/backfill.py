@@ -33,7 +33,7 @@ from torchrelay.scheduler.types import QueuedJob
 Tiers = tuple[tuple[Alternative, ...], ...]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Holding:
     job_id: str
     user: str
@@ -61,10 +61,12 @@ class Reservation:
 
 
 def _released(free: np.ndarray, holdings: list[Holding]) -> np.ndarray:
-    avail = free.copy()
-    for holding in holdings:
-        np.add.at(avail, holding.nodes, holding.use)
-    return avail
+    """``free`` plus everything ``holdings`` hold."""
+    if not holdings:
+        return free.copy()
+    nodes = np.concatenate([h.nodes for h in holdings])
+    use = np.concatenate([h.use for h in holdings])
+    return free + np.stack([np.bincount(nodes, weights=use[:, d], minlength=len(free)) for d in range(3)], axis=1)
 
 
 def reserve(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray, holdings: list[Holding],
@@ -78,9 +80,15 @@ def reserve(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray, ho
         while position < len(ending) and max(ending[position].end, now) <= t:
             position += 1
         cuts.append(position)
+    if ending:
+        order_nodes = np.concatenate([h.nodes for h in ending])
+        order_use = np.concatenate([h.use for h in ending])
+        rows = np.cumsum([0] + [len(h.nodes) for h in ending])
 
     def attempt(group: int) -> tuple[np.ndarray, Choice | None]:
-        avail = _released(free, ending[: cuts[group]])
+        stop = rows[cuts[group]]
+        avail = free + np.stack([np.bincount(order_nodes[:stop], weights=order_use[:stop, d], minlength=len(free))
+                                 for d in range(3)], axis=1)
         return avail, place_best(cluster, tiers, job, avail, ready)
 
     found: tuple[float, np.ndarray, Choice] | None = None

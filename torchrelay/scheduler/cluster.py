@@ -134,6 +134,11 @@ def job_problem(job: QueuedJob) -> str | None:
                                   or job.nodes * job.workers_per_node != job.workers):
         return (f"nodes × workers_per_node = {job.nodes} × {job.workers_per_node} does not equal "
                 f"workers={job.workers}")
+    return runtime_problem(job)
+
+
+def runtime_problem(job: QueuedJob) -> str | None:
+    """The part of ``job_problem`` about the declared max runtime."""
     if job.max_runtime_s is not None and not job.max_runtime_s > 0:
         return f"max_runtime_s={job.max_runtime_s}; use a positive number of seconds or None"
     return None

@@ -27,27 +27,33 @@ _DIM_NAMES = ("cpus", "gpus", "memory")
 
 class Accounts:
     def __init__(self, totals: np.ndarray, quotas: dict[str, Quota]) -> None:
-        self._inv = np.where(totals > 0, 1.0 / np.where(totals > 0, totals, 1.0), 0.0)
+        # plain floats: this is called once per queued job, where numpy's per-call cost shows
+        self._inv = [1.0 / float(t) if t > 0 else 0.0 for t in totals]
         self._quotas = quotas
-        self._used: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(3))
-        self._jobs: dict[str, int] = defaultdict(int)
+        self._used: dict[str, list[float]] = {}
+        self._jobs: dict[str, int] = {}
+        self._share: dict[str, float] = {}
+
+    def _add(self, user: str, amount: np.ndarray, sign: int) -> None:
+        used = self._used.setdefault(user, [0.0, 0.0, 0.0])
+        for dim in range(3):
+            used[dim] += sign * float(amount[dim])
+        self._jobs[user] = self._jobs.get(user, 0) + sign
+        inv = self._inv
+        self._share[user] = max(used[0] * inv[0], used[1] * inv[1], used[2] * inv[2])
 
     def charge(self, user: str, amount: np.ndarray) -> None:
-        self._used[user] = self._used[user] + amount
-        self._jobs[user] += 1
+        self._add(user, amount, 1)
 
     def refund(self, user: str, amount: np.ndarray) -> None:
-        self._used[user] = self._used[user] - amount
-        self._jobs[user] -= 1
+        self._add(user, amount, -1)
 
     def used(self, user: str) -> tuple[float, float, float, int]:
-        cpus, gpus, memory = (float(v) for v in self._used[user]) if user in self._used else (0.0, 0.0, 0.0)
+        cpus, gpus, memory = self._used.get(user, (0.0, 0.0, 0.0))
         return cpus, gpus, memory, self._jobs.get(user, 0)
 
     def share(self, user: str) -> float:
-        if user not in self._used:
-            return 0.0
-        return float((self._used[user] * self._inv).max())
+        return self._share.get(user, 0.0)
 
     def quota_problem(self, user: str, demand: np.ndarray) -> str | None:
         quota = self._quotas.get(user)

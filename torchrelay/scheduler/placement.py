@@ -11,6 +11,7 @@ Contract:
     3. the least fragmentation: the smallest sum, over the chosen nodes, of the fraction of
        each resource left free (best fit);
     4. the lowest node id (determinism).
+- ``feasible(...)``: whether ``place_best`` would find a placement, without choosing one.
 - ``place_best(cluster, tiers, job, avail, mask)``: the first tier of alternatives that has a
   placement; within a tier (one alternative per GPU type) the fewest nodes, then the least
   fragmentation, then the tier's own order. Returns ``Choice`` or None.
@@ -118,6 +119,20 @@ def place_best(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job
         if best is not None:
             return best[1]
     return None
+
+
+def feasible(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
+             avail: np.ndarray, ready: np.ndarray) -> bool:
+    """Whether ``place_best`` would find a placement (cheaper: no scoring)."""
+    for tier in tiers:
+        for alt in tier:
+            cap = capacity(avail, alt.need, cluster.eligible(alt, job.labels) & ready)
+            if job.workers_per_node:
+                if int(np.count_nonzero(cap >= job.workers_per_node)) >= (job.nodes or 1):
+                    return True
+            elif int(np.minimum(cap, job.workers).sum()) >= job.workers:
+                return True
+    return False
 
 
 def use_of(choice: Choice) -> tuple[np.ndarray, np.ndarray]:

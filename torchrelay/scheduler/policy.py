@@ -27,45 +27,63 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from torchrelay.spec import format_memory
 from torchrelay.scheduler.backfill import Holding, Reservation, Tiers, estimate_starts, reserve
-from torchrelay.scheduler.cluster import Cluster, alternatives, check_input, job_problem, usage
+from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, job_problem, runtime_problem,
+                                          usage)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
-from torchrelay.scheduler.placement import Choice, place_best, use_of
-from torchrelay.scheduler.preemption import choose_victims
+from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
+from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.types import Decisions, Placement, QueuedJob, SchedulerInput
 
 
 class _FitMemo:
-    """Remembers, per job kind and view, the smallest gang size that did not fit.
+    """Remembers, per job kind and view, the smallest gang that did not fit.
 
-    Within a cycle the free resources only shrink (until a preemption frees some, which calls
-    ``clear``), so a gang at least that large cannot fit either: this is what keeps a cycle
-    over 10,000 queued jobs cheap once the cluster is full.
+    Within a cycle the resources of each view only shrink (``free`` as jobs are placed or
+    granted, ``long`` as the reservation's spare room is used, ``preempt@p`` as victims are
+    taken), so a gang at least that large cannot fit either: this is what keeps a cycle over
+    10,000 queued jobs cheap once the cluster is full.
     """
 
     def __init__(self) -> None:
         self._fails: dict[tuple, int] = {}
 
-    @staticmethod
-    def key(job: QueuedJob, tiers: Tiers, view: str) -> tuple[tuple, int]:
-        size = job.nodes if job.workers_per_node else job.workers
-        return (tiers, job.labels, job.workers_per_node, view), size
-
-    def known_fail(self, job: QueuedJob, tiers: Tiers, view: str) -> bool:
-        key, size = self.key(job, tiers, view)
+    def known_fail(self, key: tuple, size: int) -> bool:
         smallest = self._fails.get(key)
         return smallest is not None and size >= smallest
 
-    def record_fail(self, job: QueuedJob, tiers: Tiers, view: str) -> None:
-        key, size = self.key(job, tiers, view)
+    def record_fail(self, key: tuple, size: int) -> None:
         self._fails[key] = min(size, self._fails.get(key, size))
 
-    def clear(self) -> None:
-        self._fails.clear()
+
+class _Kind:
+    """What every job of one kind (shape, gang form, labels) shares in a cycle, computed once."""
+
+    __slots__ = ("index", "problem", "tiers", "ever", "initially", "description", "size", "one_worker",
+                 "demands")
+
+    def __init__(self, index: int, job: QueuedJob, cycle: "_Cycle") -> None:
+        self.index = index
+        self.problem = job_problem(replace(job, max_runtime_s=None))  # the runtime is checked per job
+        self.size = job.nodes if job.workers_per_node else job.workers
+        self.description = _describe(job)
+        if self.problem is not None:
+            return
+        cluster = cycle.cluster
+        self.tiers = alternatives(job, cluster)
+        everywhere = np.ones(len(cluster), dtype=bool)
+        self.ever = feasible(cluster, self.tiers, job, cluster.total, everywhere)
+        self.initially: bool | None = None  # computed on first need
+        self.one_worker = QueuedJob(job.job_id, job.user, job.priority, job.submit_seq,
+                                    job.workers_per_node or 1, job.shape,
+                                    workers_per_node=job.workers_per_node,
+                                    nodes=1 if job.workers_per_node else None, labels=job.labels)
+        self.demands = [[usage(alt.shape, job.workers) for alt in tier] for tier in self.tiers]
 
 
 class _Cycle:
@@ -75,26 +93,29 @@ class _Cycle:
         self.now = inp.now
         self.cluster = cluster = Cluster(inp.nodes)
         self.ready = cluster.ready
-        self.accounts = Accounts(cluster.total[cluster.ready].sum(axis=0), dict(inp.quotas))
-        self.holdings: list[Holding] = []
+        self.quotas = dict(inp.quotas)
+        self.accounts = Accounts(cluster.total[cluster.ready].sum(axis=0), self.quotas)
+        self.holdings: dict[str, Holding] = {}
         self.free = cluster.total.copy()
+        all_nodes, all_use = [], []
         for alloc in sorted(inp.running, key=lambda a: a.job_id):
             on_cluster = [(cluster.index[n], w) for n, w in alloc.placement if n in cluster.index]
             nodes = np.array([i for i, _ in on_cluster], dtype=np.int64)
-            use = np.array([usage(alloc.shape, w) for _, w in on_cluster]).reshape(-1, 3)
-            total = usage(alloc.shape, sum(w for _, w in alloc.placement))
+            per_worker = usage(alloc.shape, 1)
+            use = np.multiply.outer(np.array([w for _, w in on_cluster], dtype=np.float64), per_worker)
+            total = per_worker * sum(w for _, w in alloc.placement)
             end = alloc.started_at + alloc.max_runtime_s if alloc.max_runtime_s is not None else math.inf
-            self.holdings.append(Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
-                                         alloc.preempting, alloc.started_at, end, nodes, use, total))
-            np.subtract.at(self.free, nodes, use)
+            self.holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
+                                                  alloc.preempting, alloc.started_at, end, nodes, use, total)
+            all_nodes.append(nodes)
+            all_use.append(use)
             self.accounts.charge(alloc.user, total)
+        if all_nodes:
+            self.free -= _per_node(np.concatenate(all_nodes), np.concatenate(all_use), len(cluster))
         self.initial_free = self.free.copy()
-        self.lowest_victim_priority = min(
-            (h.priority for h in self.holdings if h.preemptible), default=math.inf)
+        self.victims = VictimPool(list(self.holdings.values()), len(cluster))
         self.memo = _FitMemo()
-        self.initial_memo: dict[tuple, bool] = {}
-        self.ever_memo: dict[tuple, bool] = {}
-        self.tiers_memo: dict[object, Tiers] = {}
+        self.kinds: dict[tuple, _Kind] = {}
         self.reservation: Reservation | None = None
         self.placements: list[Placement] = []
         self.preemptions: list[str] = []
@@ -104,48 +125,37 @@ class _Cycle:
 
     # ------------------------------------------------------------------ helpers
 
-    def tiers(self, job: QueuedJob) -> Tiers:
-        key = job.shape
-        found = self.tiers_memo.get(key)
+    def kind(self, job: QueuedJob) -> _Kind:
+        key = (job.shape, job.workers, job.workers_per_node, job.nodes, job.labels)
+        found = self.kinds.get(key)
         if found is None:
-            found = self.tiers_memo[key] = alternatives(job, self.cluster)
+            found = self.kinds[key] = _Kind(len(self.kinds), job, self)
         return found
 
-    def fits_ever(self, job: QueuedJob, tiers: Tiers) -> bool:
-        key = (tiers, job.labels, job.workers, job.workers_per_node)
-        if key not in self.ever_memo:
-            everywhere = np.ones(len(self.cluster), dtype=bool)
-            self.ever_memo[key] = place_best(self.cluster, tiers, job, self.cluster.total, everywhere) is not None
-        return self.ever_memo[key]
-
-    def try_place(self, job: QueuedJob, tiers: Tiers, avail: np.ndarray, view: str) -> Choice | None:
-        if self.memo.known_fail(job, tiers, view):
+    def try_place(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, avail: np.ndarray) -> Choice | None:
+        if self.memo.known_fail(key, size):
             return None
         choice = place_best(self.cluster, tiers, job, avail, self.ready)
         if choice is None:
-            self.memo.record_fail(job, tiers, view)
+            self.memo.record_fail(key, size)
         return choice
 
-    def fitted_initially(self, job: QueuedJob, tiers: Tiers) -> bool:
-        key = (tiers, job.labels, job.workers, job.workers_per_node)
-        if key not in self.initial_memo:
-            self.initial_memo[key] = place_best(self.cluster, tiers, job, self.initial_free, self.ready) is not None
-        return self.initial_memo[key]
+    def fits(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, avail: np.ndarray) -> bool:
+        """Like ``try_place`` for a yes/no answer only (no placement is chosen)."""
+        if self.memo.known_fail(key, size):
+            return False
+        if feasible(self.cluster, tiers, job, avail, self.ready):
+            return True
+        self.memo.record_fail(key, size)
+        return False
 
-    def some_workers_fit(self, job: QueuedJob, tiers: Tiers) -> bool:
-        one = QueuedJob(job.job_id, job.user, job.priority, job.submit_seq,
-                        job.workers_per_node or 1, job.shape,
-                        workers_per_node=job.workers_per_node, nodes=1 if job.workers_per_node else None,
-                        labels=job.labels)
-        return self.try_place(one, tiers, self.free, "free") is not None
-
-    def within_quota(self, job: QueuedJob, tiers: Tiers) -> tuple[Tiers, str | None]:
+    def within_quota(self, job: QueuedJob, kind: _Kind) -> tuple[Tiers, str | None]:
         """The alternatives the user's quota allows, and the first quota problem met."""
         kept, first_problem = [], None
-        for tier in tiers:
+        for tier, demands in zip(kind.tiers, kind.demands):
             fine = []
-            for alt in tier:
-                problem = self.accounts.quota_problem(job.user, usage(alt.shape, job.workers))
+            for alt, demand in zip(tier, demands):
+                problem = self.accounts.quota_problem(job.user, demand)
                 if problem is None:
                     fine.append(alt)
                 elif first_problem is None:
@@ -154,16 +164,17 @@ class _Cycle:
                 kept.append(tuple(fine))
         return tuple(kept), first_problem
 
-    def commit(self, job: QueuedJob, choice: Choice, *, limits_extra: bool) -> Holding:
+    def commit(self, job: QueuedJob, choice: Choice, *, limits_extra: bool, consume: bool = True) -> Holding:
         nodes, use = use_of(choice)
-        np.subtract.at(self.free, nodes, use)
+        if consume:
+            np.subtract.at(self.free, nodes, use)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
         total = usage(choice.alt.shape, job.workers)
         end = self.now + job.max_runtime_s if job.max_runtime_s is not None else math.inf
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
-        self.holdings.append(holding)
+        self.holdings[job.job_id] = holding
         self.accounts.charge(job.user, total)
         return holding
 
@@ -181,68 +192,93 @@ class _Cycle:
 
     def consider(self, job: QueuedJob) -> str | None:
         """Place, grant (by preemption), reserve or explain ``job``; returns its waiting reason."""
-        problem = job_problem(job)
+        kind = self.kind(job)
+        problem = kind.problem or (runtime_problem(job) if job.max_runtime_s is not None else None)
         if problem is not None:
             return f"unschedulable: {problem}"
-        tiers = self.tiers(job)
-        if not self.fits_ever(job, tiers):
-            return (f"unschedulable: {job.workers} workers of {_describe(job)} do not fit this cluster "
-                    f"even when it is empty")
-        tiers, over = self.within_quota(job, tiers)
-        if not tiers:
-            return f"quota: {over}"
+        if not kind.ever:
+            return f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster even when it is empty"
+        if job.user in self.quotas:
+            tiers, over = self.within_quota(job, kind)
+            if not tiers:
+                return f"quota: {over}"
+            signature = (kind.index, tuple(a.gpu_key for tier in tiers for a in tier))
+        else:
+            tiers, signature = kind.tiers, (kind.index,)
         self.tiers_of[job.job_id] = tiers
+        size = kind.size
         reservation = self.reservation
         short = reservation is not None and reservation.allows_short(self.now, job.max_runtime_s)
         if reservation is None or short:
-            choice = self.try_place(job, tiers, self.free, "free")
+            choice = self.try_place(job, tiers, (signature, "free"), size, self.free)
+        elif self.memo.known_fail((signature, "long"), size):  # checked first: the view costs an array
+            choice = None
         else:
-            choice = self.try_place(job, tiers, np.minimum(self.free, reservation.extra), "long")
+            choice = self.try_place(job, tiers, (signature, "long"), size, np.minimum(self.free, reservation.extra))
         if choice is not None:
             self.commit(job, choice, limits_extra=not short)
             self.placements.append(self.to_placement(job, choice))
             return None
-        if job.priority > self.lowest_victim_priority:
-            granted = self.preempt_for(job, tiers)
+        lowest = self.victims.lowest_priority
+        if lowest is not None and job.priority > lowest:
+            granted = self.preempt_for(job, tiers, (signature, "preempt", job.priority), size)
             if granted is not None:
                 return granted
         if reservation is None:
-            self.reservation = reserve(self.cluster, tiers, job, self.free, self.holdings, self.now, self.ready)
-            base = self.shortage(job, tiers)
+            self.reservation = reserve(self.cluster, tiers, job, self.free, list(self.holdings.values()),
+                                       self.now, self.ready)
+            base = self.explain(job, kind, tiers, signature)
             if self.reservation is None:
-                return f"{base}, and the nodes it needs are not ready"
+                return f"{base}; and the nodes it needs are not ready"
             if self.reservation.start is None:
                 return f"{base}; first in line: its nodes are kept for it as running jobs end"
             return f"{base}; first in line, reserved to start at {self.reservation.start:g}"
-        if self.try_place(job, tiers, self.free, "free") is not None:
-            when = "" if reservation.start is None else f" reserved to start at {reservation.start:g}"
+        if self.fits(job, tiers, (signature, "free"), size, self.free):
+            when = "" if reservation.start is None else f", reserved to start at {reservation.start:g}"
             return f"reservation: starting now would delay job {reservation.job_id}{when}"
-        if self.fitted_initially(job, tiers):
+        return self.explain(job, kind, tiers, signature)
+
+    def explain(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
+        """Why a job that does not fit the free resources waits: priority, gang or resources."""
+        if kind.initially is None:
+            kind.initially = feasible(self.cluster, kind.tiers, job, self.initial_free, self.ready)
+        if kind.initially:
             return "priority: jobs ahead of it in the queue took the free resources"
-        return self.shortage(job, tiers)
+        return self.shortage(job, kind, tiers, signature)
 
-    def shortage(self, job: QueuedJob, tiers: Tiers) -> str:
-        if self.some_workers_fit(job, tiers):
+    def shortage(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
+        if self.fits(kind.one_worker, tiers, (signature, "free"), 1, self.free):
             return f"gang: some of its {job.workers} workers would fit now, but not all together"
-        return f"resources: no room now for a worker of {_describe(job)}"
+        return f"resources: no room now for a worker of {kind.description}"
 
-    def preempt_for(self, job: QueuedJob, tiers: Tiers) -> str | None:
+    def preempt_for(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int) -> str | None:
+        if self.memo.known_fail(key, size):
+            return None
         allowed = self.ready.copy()
         if self.reservation is not None:
             allowed[[i for i, _ in self.reservation.choice.placement]] = False
-        found = choose_victims(self.cluster, tiers, job, self.free, self.holdings, allowed)
+        found = self.victims.choose(self.cluster, tiers, job, self.free, allowed)
         if found is None:
+            # free + preemptible resources only shrink in a cycle: a larger gang fails too
+            self.memo.record_fail(key, size)
             return None
         victims, choice = found
+        released = np.zeros_like(self.free)
         for victim in victims:
-            np.add.at(self.free, victim.nodes, victim.use)
-            self.holdings.remove(victim)
+            np.add.at(released, victim.nodes, victim.use)
+            self.victims.remove(victim)
+            del self.holdings[victim.job_id]
             self.accounts.refund(victim.user, victim.total)
             if not victim.preempting:
                 self.preemptions.append(victim.job_id)
-        # Kept for this job: it starts in a later cycle, once the victims have stopped.
-        self.commit(job, choice, limits_extra=False)
-        self.memo.clear()
+        # The job starts in a later cycle, once the victims have stopped; their resources are
+        # still in use meanwhile, so what they free beyond the job's share is not handed out in
+        # this cycle either (which also keeps ``free`` shrinking, as the memo assumes).
+        nodes, use = use_of(choice)
+        after = self.free + released
+        np.subtract.at(after, nodes, use)
+        np.minimum(self.free, after, out=self.free)
+        self.commit(job, choice, limits_extra=False, consume=False)
         names = ", ".join(v.job_id for v in victims)
         return f"resources: preempting lower-priority job(s) {names}; starts once they have stopped"
 
@@ -264,7 +300,13 @@ class _Cycle:
                 waiting.append((queued[job_id], self.tiers_of[job_id]))
                 if len(waiting) >= limit:
                     break
-        return estimate_starts(self.cluster, waiting, self.free, self.holdings, self.now, self.ready)
+        return estimate_starts(self.cluster, waiting, self.free, list(self.holdings.values()), self.now,
+                               self.ready)
+
+
+def _per_node(nodes: np.ndarray, use: np.ndarray, count: int) -> np.ndarray:
+    """Sum of ``use`` rows per node index (faster than ``np.add.at`` for many rows)."""
+    return np.stack([np.bincount(nodes, weights=use[:, dim], minlength=count) for dim in range(3)], axis=1)
 
 
 def _describe(job: QueuedJob) -> str:

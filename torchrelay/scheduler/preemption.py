@@ -1,67 +1,98 @@
 """Preemption: which lower-priority jobs a blocked job may stop so that it can start.
 
 Contract:
-- ``choose_victims(...)`` considers only holdings that are preemptible, strictly lower in
-  priority than the job, and not placed in this cycle. Candidates are taken in this order:
-  jobs already being preempted (they cost nothing more), then the lowest priority, then the
-  most recently started (the least work lost), then job id. It takes the shortest prefix of
-  that order after which the job fits, then drops every victim the job's placement does not
-  need. Returns ``(victims, choice)`` or None when even stopping every candidate would not do.
-- ``allowed`` masks the nodes the job may use (the reserved nodes of an earlier job are off
-  limits, so preemption never jumps a reservation).
-Pure; the caller applies the decision.
+- ``VictimPool(holdings, n_nodes)`` holds the jobs that may be preempted in this cycle: running,
+  preemptible, not placed in this cycle. ``remove`` takes one out once it is chosen.
+- ``choose(cluster, tiers, job, free, allowed)`` considers only pool jobs strictly lower in
+  priority than ``job``, and only nodes in ``allowed`` (the caller masks out the nodes an
+  earlier job has reserved, so preemption never jumps a reservation). It counts, level by
+  level from the lowest priority up, the resources of candidate victims as free (jobs already
+  being preempted count at every level: they cost nothing more) and takes the first level at
+  which the job fits; on the nodes of that placement it picks victims cheapest first (already
+  being preempted, lowest priority, most recently started: the least work lost, then job id)
+  until each node has room for its share, then drops any victim the others make unnecessary.
+  Returns ``(victims, choice)`` or None when stopping every candidate would not do. Pure.
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import numpy as np
 
 from torchrelay.scheduler.backfill import Holding, Tiers
 from torchrelay.scheduler.cluster import Cluster
-from torchrelay.scheduler.placement import Choice, place_best
+from torchrelay.scheduler.placement import Choice, place_best, use_of
 from torchrelay.scheduler.types import QueuedJob
 
-_PRUNE_TRIES = 16  # bounded: each try is one placement
+_EPS = 1e-6
 
 
-def _freed(free: np.ndarray, victims: list[Holding]) -> np.ndarray:
-    avail = free.copy()
-    for victim in victims:
-        np.add.at(avail, victim.nodes, victim.use)
-    return avail
+def _cost(holding: Holding) -> tuple:
+    return (not holding.preempting, holding.priority, -holding.started_at, holding.job_id)
 
 
-def choose_victims(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray,
-                   holdings: list[Holding], allowed: np.ndarray) -> tuple[list[Holding], Choice] | None:
-    """The victims to stop for ``job`` and where it will run (see module contract)."""
-    candidates = sorted(
-        (h for h in holdings if h.preemptible and not h.new and h.priority < job.priority),
-        key=lambda h: (not h.preempting, h.priority, -h.started_at, h.job_id))
-    if not candidates:
-        return None
+class VictimPool:
+    def __init__(self, holdings: list[Holding], n_nodes: int) -> None:
+        pool = sorted((h for h in holdings if h.preemptible and not h.new), key=_cost)
+        self._preempting: dict[int, np.ndarray] = {}  # priority -> per-node resources
+        self._by_level: dict[int, np.ndarray] = {}
+        self._on_node: dict[int, list[Holding]] = defaultdict(list)  # cost order
+        self._removed: set[str] = set()
+        for holding in pool:
+            table = self._preempting if holding.preempting else self._by_level
+            np.add.at(table.setdefault(holding.priority, np.zeros((n_nodes, 3))), holding.nodes, holding.use)
+            for node in holding.nodes:
+                self._on_node[int(node)].append(holding)
+        # a job at this priority or below can never preempt anything in this cycle
+        self.lowest_priority = min((h.priority for h in pool), default=None)
 
-    def attempt(victims: list[Holding]) -> Choice | None:
-        return place_best(cluster, tiers, job, _freed(free, victims), allowed)
+    def remove(self, holding: Holding) -> None:
+        self._removed.add(holding.job_id)
+        table = self._preempting if holding.preempting else self._by_level
+        np.subtract.at(table[holding.priority], holding.nodes, holding.use)
 
-    if attempt(candidates) is None:
-        return None
-    low, high = 1, len(candidates)  # feasibility grows with the prefix: bisect for the shortest
-    while low < high:
-        mid = (low + high) // 2
-        if attempt(candidates[:mid]) is not None:
-            high = mid
-        else:
-            low = mid + 1
-    victims = candidates[:low]
-    choice = attempt(victims)
-    assert choice is not None
-    used = {i for i, _ in choice.placement}
-    victims = [v for v in victims if used.intersection(int(i) for i in v.nodes)]
-    choice = attempt(victims) or choice
-    for victim in reversed(list(victims)[-_PRUNE_TRIES:]):
-        if victim.preempting:
-            continue
-        rest = [v for v in victims if v is not victim]
-        smaller = attempt(rest)
-        if smaller is not None:
-            victims, choice = rest, smaller
-    return victims, choice
+    def choose(self, cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray,
+               allowed: np.ndarray) -> tuple[list[Holding], Choice] | None:
+        """The victims to stop for ``job`` and where it will run (see module contract)."""
+        levels = sorted(p for p in self._by_level if p < job.priority)
+        avail = free.copy()
+        for priority, resources in self._preempting.items():
+            if priority < job.priority:
+                avail += resources
+        choice, top = None, None
+        for level in [None, *levels]:
+            if level is not None:
+                avail = avail + self._by_level[level]
+            choice = place_best(cluster, tiers, job, avail, allowed)
+            if choice is not None:
+                top = level
+                break
+        if choice is None:
+            return None
+        nodes, use = use_of(choice)
+        deficit = {int(n): np.maximum(u - free[n], 0.0) for n, u in zip(nodes, use)}
+        victims: list[Holding] = []
+        taken: set[str] = set()
+        for node in sorted(deficit, key=lambda n: cluster.ids[n]):
+            for holding in self._on_node.get(node, ()):
+                if deficit[node].max() <= _EPS:
+                    break
+                if holding.job_id in self._removed or holding.job_id in taken:
+                    continue
+                if holding.priority >= job.priority or (
+                        not holding.preempting and (top is None or holding.priority > top)):
+                    continue
+                victims.append(holding)
+                taken.add(holding.job_id)
+                for n, u in zip(holding.nodes, holding.use):
+                    if int(n) in deficit:
+                        deficit[int(n)] = deficit[int(n)] - u
+        if any(d.max() > _EPS for d in deficit.values()):  # cannot happen: the level said it fits
+            return None
+        for victim in reversed(list(victims)):  # drop a victim the others make unnecessary
+            back = {int(n): u for n, u in zip(victim.nodes, victim.use) if int(n) in deficit}
+            if all((deficit[n] + u).max() <= _EPS for n, u in back.items()):
+                for n, u in back.items():
+                    deficit[n] = deficit[n] + u
+                victims.remove(victim)
+        return victims, choice

@@ -164,8 +164,11 @@ def create_app(service: ClusterService) -> FastAPI:
     @api.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatReply)
     async def heartbeat(node_id: str, body: Heartbeat) -> HeartbeatReply:
         reply = await run_in_threadpool(svc.heartbeat, node_id, body)
-        if body.wait_s and reply.version == body.known_version:
-            await svc.notifier.wait(f"node:{node_id}", reply.version, body.wait_s)
+        # a node is seen at the start of its heartbeat: keep the wait well inside the timeout
+        wait = min(body.wait_s, svc.heartbeat_timeout_s / 3)
+        if wait and reply.version == body.known_version:
+            await svc.notifier.wait(f"node:{node_id}", reply.version, wait)
+            await run_in_threadpool(svc.touch, node_id)
             reply = await run_in_threadpool(svc.desired, node_id)
         return reply
 

@@ -257,6 +257,13 @@ class ClusterService:
             self._kick()
         return self.desired(node_id)
 
+    def touch(self, node_id: str) -> None:
+        """Record the node as seen now (the end of a long-poll heartbeat)."""
+        with self._lock, self._sessions.begin() as s:
+            node = s.get(NodeRow, node_id)
+            if node is not None and node.state == "READY":
+                node.last_seen = max(node.last_seen, self.clock())
+
     def desired(self, node_id: str) -> HeartbeatReply:
         version = self.notifier.version(f"node:{node_id}")
         with self._sessions() as s:

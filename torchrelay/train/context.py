@@ -275,7 +275,10 @@ def prepare(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, An
                    "final_average": "torchrelay.train.sync", "parameter_server": "torchrelay.train.ps"}.get(kind)
     if module_name is None:
         raise InvalidSpec(f"strategy kind {kind!r} is not known to torchrelay.train.prepare")
-    strategy_module = _import_strategy_module(module_name)
+    try:
+        strategy_module = _import_strategy_module(module_name)
+    except ImportError as exc:
+        raise InvalidSpec(f"strategy kind {kind!r} needs {module_name}, which cannot be imported: {exc}") from exc
     if not hasattr(strategy_module, "prepare"):
         raise InvalidSpec(f"strategy kind {kind!r} needs {module_name}.prepare, which this installation lacks")
     model, optimizer = strategy_module.prepare(model, optimizer, ctx.strategy, ctx)
@@ -293,7 +296,7 @@ def shutdown() -> None:
     global _context, _optimizer
     _report_module().close_writer()
     _optimizer = None
-    gc.collect()
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # only matters when a group's reducers and work objects may be in cycles
         dist.destroy_process_group()
     _context = None

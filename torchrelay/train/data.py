@@ -2,7 +2,8 @@
 
 Contract:
 - ``shard(dataset, batch_size=…)`` is a ``DataLoader`` over torch's ``DistributedSampler`` for
-  this rank (world and rank from ``init()``'s context, or the environment before it). Call
+  this rank (world and rank from ``init()``'s context, or the environment before it; under the
+  parameter-server strategy the workers' world, without the server ranks). Call
   ``loader.sampler.set_epoch(epoch)`` at the start of every epoch, or every epoch sees the same
   order. With ``drop_last=False`` the sampler pads every rank to the same number of samples by
   repeating a few (torch's behaviour), so every rank runs the same number of steps; with
@@ -24,8 +25,14 @@ def _resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
     from torchrelay.train.context import current_context
 
     ctx = current_context()
-    rank = ctx.rank if rank is None else rank
-    world_size = ctx.world_size if world_size is None else world_size
+    data_rank, data_world = ctx.rank, ctx.world_size
+    if ctx.strategy.kind == "parameter_server" and (rank is None or world_size is None):
+        # server ranks hold no data: the data is split over the workers only
+        from torchrelay.train import ps
+
+        data_rank, data_world = ps.worker_world(ctx)
+    rank = data_rank if rank is None else rank
+    world_size = data_world if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     return rank, world_size

@@ -559,13 +559,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
             ctx: Context) -> tuple[torch.nn.Module, SyncOptimizer]:
     """Apply ``strategy`` to ``model`` and ``optimizer``. Collective (broadcasts rank 0's parameters).
 
-    Returns the model (wrapped in DDP for ``ddp`` when a process group exists, else the same
-    object) and a ``SyncOptimizer`` over ``optimizer``. Raises ``InvalidSpec`` for a strategy
+    Moves the model to ``ctx.device``. Returns the model (wrapped in DDP for ``ddp`` when a
+    process group exists, else the same object) and a ``SyncOptimizer`` over ``optimizer``. Raises ``InvalidSpec`` for a strategy
     that is not a synchronisation strategy or a context that does not fit the process group.
     """
     strategy = _as_strategy(strategy)
     _check_context(ctx)
     comm = Collective(ctx.world_size)
+    model = model.to(ctx.device)  # in place for parameters, so the optimizer still holds them
     params = [p for p in model.parameters() if p.requires_grad]
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [i for i, p in enumerate(params) if id(p) not in optimized]

@@ -18,7 +18,6 @@ Contract:
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -108,6 +107,9 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             virtual_stages: int = 2) -> Pipeline:
     """This rank's ``Pipeline`` for ``blocks`` under ``strategy``. Collective; blocks.
 
+    ``strategy`` defaults to ``ctx.strategy`` when that is a pipeline strategy (the job
+    spec's), else to ``PipelineStrategy()``; a dict is validated as one.
+
     Raises ``InvalidSpec`` when the world size does not match stages × replicas, when an
     automatic plan has no ``sample``, or for a schedule the runtime cannot run;
     ``PlanInfeasible`` when no cut fits the memory caps.
@@ -115,6 +117,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     if not dist.is_initialized():
         raise InvalidSpec("pipeline: torch.distributed is not initialised; call "
                           "torchrelay.train.init() (or init_process_group) first")
+    if strategy is None and getattr(getattr(ctx, "strategy", None), "kind", None) == "pipeline":
+        strategy = ctx.strategy  # the job spec's, through torchrelay.train.init()
     if strategy is None:
         strategy = PipelineStrategy(kind="pipeline")
     elif isinstance(strategy, dict):
@@ -161,10 +165,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
 
     my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
     own: dict[int, nn.Module] = {}
-    metas = {}
     for ps in my_plan_stages:
         for i in the_plan.stages[ps].blocks:
-            metas[i] = _meta_copy(blocks[i])
             block = blocks[i]
             own[i] = materialize_module(block, device, seed + i) if is_on_meta(block) \
                 else block.to(device)
@@ -177,14 +179,10 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             prev_rank = layout[replica][stage - 1]
         if stage < num_stages - 1:
             next_rank = layout[replica][stage + 1]
-        if pp_group is not None:  # group-local ranks for the p2p calls
-            prev_rank = None if prev_rank is None else dist.get_group_rank(pp_group, prev_rank)
-            next_rank = None if next_rank is None else dist.get_group_rank(pp_group, next_rank)
         runner = LeanPipeline(
             module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
             loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
-            next_rank=next_rank, meta_prefix=[_meta_copy(b) for b in blocks[:first]],
-            meta_stage=[metas[i] for i in range(first, stop)], device=device,
+            next_rank=next_rank, device=device,
             dp_group=dp_group, group=pp_group)
     else:
         modules = [nn.Sequential(*[own[i] for i in the_plan.stages[ps].blocks])
@@ -195,13 +193,6 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                                dp_group=dp_group)
     return Pipeline(plan=the_plan, stage=stage, replica=replica, num_stages=num_stages,
                     blocks=own, runner=runner)
-
-
-def _meta_copy(block: nn.Module) -> nn.Module:
-    if is_on_meta(block):
-        return copy.deepcopy(block)
-    meta = copy.deepcopy(block).to_empty(device="meta")
-    return meta
 
 
 def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,

@@ -77,7 +77,7 @@ def _stash_bytes(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     inp = x.detach().requires_grad_(x.is_floating_point())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(inp)
-    return out.detach(), total
+    return out, total
 
 
 def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
@@ -128,7 +128,7 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
         costs.append(BlockCost(time_s=statistics.median(times), out_bytes=_bytes(out),
                                param_bytes=param_bytes, stash_bytes=stash,
                                name=f"{index}:{type(original).__name__}"))
-        x = out
+        x = out.detach()
         del block
     return costs
 

@@ -17,12 +17,13 @@ bench/pipeline.py). This one posts every receive of the step at its start into b
 allocated once per input shape, sends with ``isend`` and waits for sends only at the end of
 the step, so communication overlaps compute and nothing is copied. Shapes are not exchanged
 per micro-batch: stage 0 sends one 10-integer header per step (dtype and batch shape) along
-the chain, and each stage derives its micro-batch shapes by running the model's meta-device
-blocks. It assumes point-to-point messages are matched by tag (gloo); on NCCL ``prepare``
-uses torch's runtime.
+the chain; only the first step of a new shape sends each activation's shape ahead of it
+(running the blocks on the meta device instead costs seconds of lazy imports). It assumes
+point-to-point messages are matched by tag (gloo); on NCCL ``prepare`` uses torch's runtime.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -35,6 +36,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int32, torch.int16, torch.uint8, torch.bool)
 _HEADER_LEN = 10
 _HEADER_TAG = 0
+_DESC_TAG = 1 << 20
 
 
 def schedule_actions(schedule: str, stage: int, num_stages: int, microbatches: int
@@ -72,17 +74,16 @@ class LeanPipeline:
 
     def __init__(self, module: nn.Module, *, stage: int, num_stages: int, microbatches: int,
                  loss_fn: Callable, schedule: str, prev_rank: int | None,
-                 next_rank: int | None, meta_prefix: Sequence[nn.Module],
-                 meta_stage: Sequence[nn.Module], device: torch.device,
+                 next_rank: int | None, device: torch.device,
                  dp_group=None, group=None):
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self.microbatches, self.loss_fn, self.schedule = microbatches, loss_fn, schedule
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
         self.dp_group, self.group = dp_group, group
-        self.meta_prefix, self.meta_stage = list(meta_prefix), list(meta_stage)
         self.actions = schedule_actions(schedule, stage, num_stages, microbatches)
-        self._buffers: dict[tuple, tuple[list, list]] = {}
+        self._buffers: dict[tuple, tuple[list, list]] = {}  # header -> (inputs, grads)
         self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self.last_busy_s = 0.0  # compute seconds (forward, loss, backward) of the last step
 
     @property
     def is_first(self) -> bool:
@@ -92,7 +93,7 @@ class LeanPipeline:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    # -- shapes and buffers
+    # -- shapes
 
     def _exchange_header(self, inputs: torch.Tensor | None) -> tuple[int, ...]:
         header = self._header
@@ -110,28 +111,6 @@ class LeanPipeline:
             dist.send(header, self.next_rank, group=self.group, tag=_HEADER_TAG)
         return tuple(header.tolist())
 
-    def _buffers_for(self, key: tuple[int, ...]) -> tuple[list, list]:
-        """(input buffers, output-gradient buffers), one per micro-batch, made once per shape."""
-        if key in self._buffers:
-            return self._buffers[key]
-        dtype, ndim = _DTYPES[key[0]], key[1]
-        shape = key[2:2 + ndim]
-        in_bufs, grad_bufs = [], []
-        for size in microbatch_sizes(shape[0], self.microbatches):
-            x = torch.empty((size, *shape[1:]), dtype=dtype, device="meta")
-            for block in self.meta_prefix:
-                x = block(x)
-            in_meta = x
-            for block in self.meta_stage:
-                x = block(x)
-            if not self.is_first:
-                in_bufs.append(torch.empty(in_meta.shape, dtype=in_meta.dtype,
-                                           device=self.device))
-            if not self.is_last:
-                grad_bufs.append(torch.empty(x.shape, dtype=x.dtype, device=self.device))
-        self._buffers[key] = (in_bufs, grad_bufs)
-        return in_bufs, grad_bufs
-
     # -- the step
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
@@ -141,15 +120,27 @@ class LeanPipeline:
         if self.is_last and targets is None:
             raise InvalidSpec(f"pipeline: the last stage ({self.stage}) must pass targets")
         key = self._exchange_header(inputs)
-        in_bufs, grad_bufs = self._buffers_for(key)
         batch = key[2]
         sizes = microbatch_sizes(batch, self.microbatches)
         group, m_count = self.group, self.microbatches
-        # Every receive of the step is posted now; tags keep micro-batches and directions apart.
-        act_recvs = [dist.irecv(buf, self.prev_rank, group=group, tag=1 + 2 * m)
-                     for m, buf in enumerate(in_bufs)]
-        grad_recvs = [dist.irecv(buf, self.next_rank, group=group, tag=2 + 2 * m)
-                      for m, buf in enumerate(grad_bufs)]
+        # Buffers are made once per input shape. The first step of a shape sends each
+        # activation's shape before it (the receiver cannot know it); later steps post every
+        # receive of the step at once, straight into the cached buffers.
+        known = key in self._buffers
+        if known:
+            in_bufs, grad_bufs = self._buffers[key]
+        else:
+            in_bufs, grad_bufs = [None] * m_count, [None] * m_count
+        prev, nxt = self.prev_rank, self.next_rank
+        act_recvs: list = [None] * m_count
+        grad_recvs: list = [None] * m_count
+        if known:
+            if not self.is_first:
+                act_recvs = [dist.irecv(buf, prev, group=group, tag=1 + 2 * m)
+                             for m, buf in enumerate(in_bufs)]
+            if not self.is_last:
+                grad_recvs = [dist.irecv(buf, nxt, group=group, tag=2 + 2 * m)
+                              for m, buf in enumerate(grad_bufs)]
         if self.is_first:
             chunks = torch.tensor_split(inputs.to(self.device), m_count)
         if self.is_last:
@@ -158,42 +149,75 @@ class LeanPipeline:
         outputs: list = [None] * m_count
         sends = []
         total_loss = torch.zeros((), device=self.device)
+        busy = 0.0
         for kind, m in self.actions:
             if kind == "F":
                 if self.is_first:
                     x = chunks[m]
                 else:
-                    act_recvs[m].wait()
+                    if not known:
+                        in_bufs[m] = self._recv_described(prev, m)
+                    else:
+                        act_recvs[m].wait()
                     x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
                 stage_inputs[m] = x
+                started = time.perf_counter()
                 out = self.module(x)
                 if self.is_last:
                     loss = self.loss_fn(out, target_chunks[m]) * (sizes[m] / batch)
                     total_loss += loss.detach()
                     outputs[m] = loss
+                    busy += time.perf_counter() - started
                 else:
+                    busy += time.perf_counter() - started
                     outputs[m] = out
                     send_buf = out.detach().contiguous()
-                    sends.append((dist.isend(send_buf, self.next_rank, group=group,
-                                             tag=1 + 2 * m), send_buf))
+                    if not known:
+                        self._send_description(send_buf, nxt, m)
+                        grad_bufs[m] = torch.empty_like(send_buf)
+                        grad_recvs[m] = dist.irecv(grad_bufs[m], nxt, group=group, tag=2 + 2 * m)
+                    sends.append((dist.isend(send_buf, nxt, group=group, tag=1 + 2 * m),
+                                  send_buf))
             else:
                 if self.is_last:
+                    started = time.perf_counter()
                     outputs[m].backward()
                 else:
                     grad_recvs[m].wait()
+                    started = time.perf_counter()
                     torch.autograd.backward(outputs[m], grad_bufs[m])
+                busy += time.perf_counter() - started
                 if not self.is_first:
                     grad = stage_inputs[m].grad
                     if grad is None:
                         grad = torch.zeros_like(stage_inputs[m])
-                    sends.append((dist.isend(grad.contiguous(), self.prev_rank, group=group,
-                                             tag=2 + 2 * m), grad))
+                    grad = grad.contiguous()
+                    sends.append((dist.isend(grad, prev, group=group, tag=2 + 2 * m), grad))
                 outputs[m] = stage_inputs[m] = None
         for work, _ in sends:
             work.wait()
+        self._buffers[key] = (in_bufs, grad_bufs)
+        self.last_busy_s = busy
         if self.dp_group is not None:
             average_gradients(self.module, self.dp_group)
         return total_loss if self.is_last else None
+
+    def _send_description(self, tensor: torch.Tensor, dst: int, m: int) -> None:
+        if tensor.dim() > _HEADER_LEN - 2:
+            raise InvalidSpec(f"pipeline: stage {self.stage} outputs {tensor.dim()} dims; at "
+                              f"most {_HEADER_LEN - 2} are supported")
+        desc = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        desc[0], desc[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        desc[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(desc, dst, group=self.group, tag=_DESC_TAG + m)
+
+    def _recv_described(self, src: int, m: int) -> torch.Tensor:
+        desc = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        dist.recv(desc, src, group=self.group, tag=_DESC_TAG + m)
+        values = desc.tolist()
+        buf = torch.empty(values[2:2 + values[1]], dtype=_DTYPES[values[0]], device=self.device)
+        dist.recv(buf, src, group=self.group, tag=1 + 2 * m)
+        return buf
 
 
 def average_gradients(module: nn.Module, group) -> None:

@@ -3,7 +3,7 @@
 Contract:
 - ``ShardState`` is everything a shard knows that must outlive it: parameters, optimizer
   buffers (momentum, or Adam's two moments and step counts), version, every worker's clock
-  and done flag. ``ShardState.allocate(..., shared=True)`` puts it in shared memory so a
+  and done flag. ``ShardState.allocate(..., backing_dir)`` maps it from files (/dev/shm) so a
   supervisor can restart a crashed shard process on the very same state.
 - ``ShardServer(shard, state, ...)`` binds ``host`` on port 0 (``.port``), and
   ``serve_forever()`` serves one thread per connection until every worker has sent DONE
@@ -32,13 +32,16 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import torch
+from torch.optim.adam import adam as adam_step
+from torch.optim.sgd import sgd as sgd_step
 
 from torchrelay.spec import ServerOptimizer
 from torchrelay.train.ps import protocol as P
-from torchrelay.train.ps.plan import Segment, ShardPlan
+from torchrelay.train.ps.plan import Plan, Segment, ShardPlan
 from torchrelay.train.ps.rendezvous import ShardDirectory
 
 _META_VERSION, _META_INITIALISED, _META_TOKEN, _META_FIXED = 0, 1, 2, 3
@@ -65,13 +68,25 @@ class ShardState:
 
     @classmethod
     def allocate(cls, shard: ShardPlan, buffer_names: tuple[str, ...], workers: int,
-                 shared: bool = False) -> "ShardState":
-        def make(t: torch.Tensor) -> torch.Tensor:
-            return t.share_memory_() if shared else t
-        return cls(params=make(torch.zeros(shard.nbytes, dtype=torch.uint8)),
-                   buffers=[make(torch.zeros(shard.nbytes, dtype=torch.uint8)) for _ in buffer_names],
-                   steps=make(torch.zeros(len(shard.segments), dtype=torch.float32)),
-                   meta=make(torch.zeros(_META_FIXED + 2 * workers, dtype=torch.int64)))
+                 backing_dir: str | None = None) -> "ShardState":
+        """Zeroed state; with ``backing_dir`` every tensor is a shared mapping of a file
+        there, so another process (a restarted shard) can open the same state."""
+        sizes = {"params": (shard.nbytes, torch.uint8), "steps": (len(shard.segments), torch.float32),
+                 "meta": (_META_FIXED + 2 * workers, torch.int64)}
+        sizes.update({f"buffer{i}": (shard.nbytes, torch.uint8) for i in range(len(buffer_names))})
+
+        def make(name: str) -> torch.Tensor:
+            count, dtype = sizes[name]
+            if backing_dir is None or count == 0:
+                return torch.zeros(count, dtype=dtype)
+            path = os.path.join(backing_dir, name)
+            if not os.path.exists(path):
+                with open(path, "wb") as f:
+                    f.truncate(count * dtype.itemsize)
+            return torch.from_file(path, shared=True, size=count, dtype=dtype)
+
+        return cls(params=make("params"), buffers=[make(f"buffer{i}") for i in range(len(buffer_names))],
+                   steps=make("steps"), meta=make("meta"))
 
 
 class ShardServer:
@@ -126,14 +141,14 @@ class ShardServer:
         if self._param_views:
             with torch.no_grad():
                 if cfg.name == "adam":
-                    torch.optim.adam.adam(
+                    adam_step(
                         self._param_views, grads, self._buffer_views[0], self._buffer_views[1], [],
                         self._step_views, foreach=False, amsgrad=False, beta1=cfg.betas[0],
                         beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=1e-8,
                         maximize=False)
                 else:
                     momentum = self._buffer_views[0] if self._buffer_views else [None] * len(grads)
-                    torch.optim.sgd.sgd(
+                    sgd_step(
                         self._param_views, grads, list(momentum), foreach=False,
                         weight_decay=cfg.weight_decay, momentum=cfg.momentum, lr=cfg.lr,
                         dampening=0.0, nesterov=False, maximize=False)
@@ -200,6 +215,9 @@ class ShardServer:
                     return
         except (ConnectionError, OSError):
             return
+        except Exception as exc:  # a bug must not leave the worker waiting forever
+            traceback.print_exc()
+            self._reply_error(conn, f"shard {self.shard.index} failed: {exc!r}")
         finally:
             conn.close()
 
@@ -386,16 +404,16 @@ class ShardServer:
 # ---------------------------------------------------------------- the server rank
 
 
-def _shard_process_main(shard_json: str, index: int, state: ShardState, config: dict[str, Any],
-                        report: Any) -> None:
-    """Child process: serve one shard on ``state`` (shared memory) until all workers are done."""
-    from torchrelay.train.ps.plan import Plan
-
+def _shard_process_main(config_path: str, ready_fd: int) -> None:
+    """Child process: serve one shard on the state files until all workers are done."""
     torch.set_num_threads(1)
-    shard = Plan.from_json(shard_json).shard(index)
+    with open(config_path) as f:
+        config = json.load(f)
+    shard = Plan.from_json(config["plan"]).shard(config["index"])
+    optimizer = ServerOptimizer(**config["optimizer"])
+    state = ShardState.allocate(shard, buffers_for(optimizer), config["num_workers"], config["state_dir"])
     server = ShardServer(shard, state, num_workers=config["num_workers"], mode=config["mode"],
-                         staleness=config["staleness"], optimizer=ServerOptimizer(**config["optimizer"]),
-                         host=config["host"])
+                         staleness=config["staleness"], optimizer=optimizer, host=config["host"])
     parent = os.getppid()
 
     def watch_parent() -> None:  # never outlive the supervisor
@@ -404,8 +422,8 @@ def _shard_process_main(shard_json: str, index: int, state: ShardState, config: 
         os._exit(3)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    report.send((server.host, server.port, os.getpid()))
-    report.close()
+    os.write(ready_fd, f"{server.host} {server.port} {os.getpid()}\n".encode())
+    os.close(ready_fd)
     server.serve_forever()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -417,38 +435,51 @@ def serve_shard_supervised(plan_json: str, index: int, *, num_workers: int, mode
                            max_restarts: int = 3) -> None:
     """Run shard ``index`` in a child process; restart it on the same state when it dies.
 
+    The child is a fresh interpreter (``python -m torchrelay.train.ps.shard_main``), not a fork
+    (this process may hold gloo threads) nor multiprocessing's spawn (which would re-run the
+    user's training script). The state lives in files under /dev/shm that both map.
     Blocks until a child exits 0 (every worker sent DONE). Raises ``RuntimeError`` after
     ``max_restarts`` deaths.
     """
-    import torch.multiprocessing as mp
+    import shutil
+    import subprocess
+    import tempfile
 
-    from torchrelay.train.ps.plan import Plan
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    state_dir = tempfile.mkdtemp(prefix=f"torchrelay-ps-shard{index}-", dir=shm)
+    try:
+        shard = Plan.from_json(plan_json).shard(index)
+        ShardState.allocate(shard, buffers_for(optimizer), num_workers, state_dir)  # create the files
+        config_path = os.path.join(state_dir, "config.json")
+        with open(config_path, "w") as f:
+            json.dump({"plan": plan_json, "index": index, "num_workers": num_workers, "mode": mode,
+                       "staleness": staleness, "optimizer": optimizer.model_dump(), "host": host,
+                       "state_dir": state_dir}, f)
+        deaths = 0
+        while True:
+            read_fd, write_fd = os.pipe()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "torchrelay.train.ps.shard_main", config_path, str(write_fd)],
+                pass_fds=(write_fd,))
+            os.close(write_fd)
+            with os.fdopen(read_fd) as ready:
+                line = ready.readline().split()
+            if len(line) == 3:
+                directory.publish(index, f"{line[0]}:{line[1]}", int(line[2]))
+            try:
+                code = child.wait()
+            except BaseException:
+                child.kill()
+                child.wait()
+                raise
+            if code == 0:
+                return
+            deaths += 1
+            print(f"torchrelay.ps: shard {index} process {child.pid} died (exit code {code}); "
+                  f"restart {deaths} of {max_restarts} on its last state", file=sys.stderr, flush=True)
+            if deaths > max_restarts:
+                raise RuntimeError(f"parameter-server shard {index} died {deaths} times; "
+                                   f"giving up after max_restarts={max_restarts}")
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
 
-    shard = Plan.from_json(plan_json).shard(index)
-    state = ShardState.allocate(shard, buffers_for(optimizer), num_workers, shared=True)
-    config = {"num_workers": num_workers, "mode": mode, "staleness": staleness,
-              "optimizer": optimizer.model_dump(), "host": host}
-    ctx = mp.get_context("spawn")
-    deaths = 0
-    while True:
-        reader, writer = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_shard_process_main, args=(plan_json, index, state, config, writer),
-                            name=f"ps-shard-{index}")
-        child.start()
-        writer.close()
-        try:
-            bound_host, port, pid = reader.recv()
-        except EOFError:
-            bound_host = None
-        reader.close()
-        if bound_host is not None:
-            directory.publish(index, f"{bound_host}:{port}", pid)
-        child.join()
-        if child.exitcode == 0:
-            return
-        deaths += 1
-        print(f"torchrelay.ps: shard {index} process {child.pid} died (exit code {child.exitcode}); "
-              f"restart {deaths} of {max_restarts} on its last state", file=sys.stderr, flush=True)
-        if deaths > max_restarts:
-            raise RuntimeError(f"parameter-server shard {index} died {deaths} times; "
-                               f"giving up after max_restarts={max_restarts}")

@@ -1,0 +1,291 @@
+"""Pipeline parallelism benchmark (issue 7): ours and the baselines side by side in one run.
+
+(a) speedup_2x8: a balanced MLP, 2 stages × 8 micro-batches, one thread per stage, against
+    the same model in one process with one thread on the same 8 micro-batches with gradient
+    accumulation (DESIGN §6: micro-batches are not free, so the baseline micro-batches too).
+    Rows for our lean 1F1B and GPipe and for torch.distributed.pipelining's 1F1B and GPipe.
+(b) auto_vs_equal, auto_vs_best: a transformer with a large vocabulary (embedding and head
+    heavy); step time of the profiled automatic plan against the equal-layer split and
+    against the fastest of every contiguous 2-stage split, all measured.
+(c) prediction_error: the plan's predicted compute time per micro-batch of each stage over
+    the time the stage really computed per micro-batch in the pipeline (largest |ratio - 1|).
+(d) plan_s_100x8: planning time for 100 blocks on 8 stages.
+
+All configurations run in one pair of processes, interleaved round by round, so machine
+noise hits them alike. Usage: ``OMP_NUM_THREADS=1 python bench/pipeline.py [--quick]``.
+Last line: ``RESULT {json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MLP = dict(width=512, depth=8, microbatch=32, microbatches=8)
+LM = dict(vocab=8192, dim=128, depth=6, heads=4, context=64, microbatch=4, microbatches=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: argparse.Namespace, out_dir: str) -> dict:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = []
+    try:
+        for rank in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(rank), "--port", str(port),
+                 "--out", out_dir, "--rounds", str(args.rounds), "--steps", str(args.steps)],
+                env=env, start_new_session=True))
+        for proc in procs:
+            proc.wait(timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"bench worker exited {proc.returncode}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return json.loads(Path(out_dir, "result.json").read_text())
+
+
+# ---------------------------------------------------------------- worker
+
+
+def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int) -> None:
+
+    import torch
+    import torch.distributed as dist
+
+    from torchrelay.spec import PipelineStrategy
+    from torchrelay.train.pipeline import build_on_meta, materialize_module, prepare
+    from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss, mse_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.manual_seed(0)
+
+    # ---- data
+    m_mlp = MLP["microbatches"]
+    mlp_x = torch.randn(MLP["microbatch"] * m_mlp, MLP["width"])
+    mlp_y = torch.randn_like(mlp_x)
+    m_lm = LM["microbatches"]
+    tokens = torch.randint(0, LM["vocab"], (LM["microbatch"] * m_lm, LM["context"] + 1))
+    lm_x, lm_y = tokens[:, :-1], tokens[:, 1:]
+
+    def mlp_meta():
+        return build_on_meta(lambda: balanced_mlp(MLP["width"], MLP["depth"]))
+
+    def lm_meta():
+        return build_on_meta(lambda: char_transformer(LM["vocab"], LM["dim"], LM["depth"],
+                                                      LM["heads"], LM["context"]))
+
+    # ---- (a) the single-process baseline: same micro-batches, gradient accumulation
+    baseline = torch.nn.Sequential(*[materialize_module(b, "cpu", i)
+                                     for i, b in enumerate(mlp_meta())])
+
+    def baseline_step():
+        for x, y in zip(torch.tensor_split(mlp_x, m_mlp), torch.tensor_split(mlp_y, m_mlp)):
+            (mse_loss(baseline(x), y) / m_mlp).backward()
+        baseline.zero_grad(set_to_none=True)
+
+    def pipeline(meta, loss_fn, m, schedule, runtime, plan, sample=None, sample_target=None):
+        strategy = PipelineStrategy(kind="pipeline", microbatches=m, schedule=schedule)
+        return prepare(meta, loss_fn, strategy, plan=plan, runtime=runtime, sample=sample,
+                       sample_target=sample_target)
+
+    half = MLP["depth"] // 2
+    mlp_pipes = {
+        f"{rt} {sched}": pipeline(mlp_meta(), mse_loss, m_mlp, sched, rt, [0, half])
+        for rt in ("lean", "torch") for sched in ("1f1b", "gpipe")
+    }
+    n_lm = LM["depth"] + 2
+    started = time.perf_counter()
+    auto = pipeline(lm_meta(), lm_loss, m_lm, "1f1b", "lean", None,
+                    sample=lm_x[:LM["microbatch"]], sample_target=lm_y[:LM["microbatch"]])
+    profile_and_plan_s = time.perf_counter() - started
+    cuts = {c: pipeline(lm_meta(), lm_loss, m_lm, "1f1b", "lean", [0, c]) for c in range(1, n_lm)}
+
+    cpu: dict[str, list[float]] = {}
+
+    def run(pipe, x, y, n, name=None):
+        times, busy = [], []
+        for _ in range(n):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            pipe.module.zero_grad(set_to_none=True)
+            c1 = time.process_time()
+            dist.barrier()  # the step ends when both stages are done
+            times.append(time.perf_counter() - t0)
+            busy.append(getattr(pipe.runner, "last_busy_s", float("nan")))
+            if name:
+                cpu.setdefault(name, []).append(c1 - c0)
+        return times, busy
+
+    def run_baseline(n):
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if rank == 0:
+                baseline_step()
+            c1 = time.process_time()
+            dist.barrier()  # rank 1 waits in the barrier, off the CPU
+            times.append(time.perf_counter() - t0)
+            cpu.setdefault("baseline", []).append(c1 - c0)
+        return times
+
+    # warm up every configuration (first steps learn shapes)
+    run_baseline(2)
+    for pipe in [*mlp_pipes.values(), auto, *cuts.values()]:
+        run(pipe, *((mlp_x, mlp_y) if pipe in mlp_pipes.values() else (lm_x, lm_y)), 2)
+
+    samples: dict[str, list[float]] = {"baseline": []}
+    busy_auto: list[float] = []
+    for _ in range(rounds):
+        samples["baseline"] += run_baseline(steps)
+        for name, pipe in mlp_pipes.items():
+            samples.setdefault(name, []).extend(run(pipe, mlp_x, mlp_y, steps, name)[0])
+        t, b = run(auto, lm_x, lm_y, steps)
+        samples.setdefault("lm auto", []).extend(t)
+        busy_auto += b
+        for c, pipe in cuts.items():
+            samples.setdefault(f"lm cut {c}", []).extend(run(pipe, lm_x, lm_y, steps)[0])
+
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    busy_all = [None, None]
+    dist.all_gather_object(busy_all, statistics.median(busy_auto))
+    cpu_all = [None, None]  # CPU seconds per step on each rank (gloo's threads included)
+    dist.all_gather_object(cpu_all, {k: statistics.median(v) for k, v in cpu.items()})
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps({
+            "medians": medians, "auto_plan": auto.plan.to_dict(),
+            "auto_plan_text": auto.plan.describe(),
+            "auto_busy_per_stage_s": busy_all, "cpu_per_rank_s": cpu_all, "profile_and_plan_s": profile_and_plan_s,
+            "num_lm_blocks": n_lm,
+        }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- report
+
+
+def _plan_time_100x8() -> float:
+    from torchrelay.train.pipeline.partition import BlockCost, DeviceSpec, Link, plan_stages
+    blocks = [BlockCost(time_s=1e-3 * (1 + (i * 7919) % 13), out_bytes=4096 * (1 + i % 5),
+                        param_bytes=10**6 * (1 + i % 3), stash_bytes=10**5) for i in range(100)]
+    devices = [DeviceSpec(f"d{k}", speed=1.0 + 0.5 * (k % 2), mem_cap_bytes=10**8)
+               for k in range(8)]
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        plan_stages(blocks, devices, Link(2.6e9, 5e-5), microbatches=16)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", type=int, default=None)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--out")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
+    args = parser.parse_args()
+    if args.worker is not None:
+        _worker(args.worker, args.port, args.out, args.rounds, args.steps)
+        return
+    if args.quick:
+        args.rounds, args.steps = 2, 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        res = _launch(args, out_dir)
+    med = res["medians"]
+    base = med["baseline"]
+    print(f"(a) balanced MLP {MLP['depth']}x{MLP['width']}, 2 stages x {MLP['microbatches']} "
+          f"micro-batches of {MLP['microbatch']}, 1 thread per process")
+    print(f"    {'one process, grad accumulation':34s} {base * 1e3:8.2f} ms/step   1.00x")
+    for name in ("lean 1f1b", "lean gpipe", "torch 1f1b", "torch gpipe"):
+        label = ("ours " if name.startswith("lean") else "torch.distributed.pipelining ") \
+            + name.split()[1]
+        print(f"    {label:34s} {med[name] * 1e3:8.2f} ms/step   {base / med[name]:.2f}x")
+    # The machine is shared: CPU time per step is what contention distorts least. Overhead is
+    # the pipeline's CPU time over the baseline's; on two idle cores the 1F1B step would take
+    # (M + S - 1) / M of the busier stage's CPU time.
+    cpu0, cpu1 = res["cpu_per_rank_s"]
+    m_a = MLP["microbatches"]
+    print("    CPU time per step (rank 0 + rank 1), and the speedup it implies on idle cores:")
+    estimates = {}
+    for name in ("lean 1f1b", "lean gpipe", "torch 1f1b", "torch gpipe"):
+        total = cpu0[name] + cpu1[name]
+        estimates[name] = cpu0["baseline"] / (max(cpu0[name], cpu1[name]) * (m_a + 1) / m_a)
+        print(f"    {name:34s} {cpu0[name] * 1e3:7.2f} + {cpu1[name] * 1e3:7.2f} ms "
+              f"(baseline {cpu0['baseline'] * 1e3:7.2f}; overhead {total / cpu0['baseline'] - 1:+.1%})"
+              f"  -> {estimates[name]:.2f}x")
+    plan = res["auto_plan"]
+    n = res["num_lm_blocks"]
+    equal_cut = (n + 1) // 2
+    auto_cut = plan["stages"][1]["blocks"][0]
+    cut_times = {c: med[f"lm cut {c}"] for c in range(1, n)}
+    best_cut = min(cut_times, key=cut_times.get)
+    print(f"(b) transformer vocab {LM['vocab']} dim {LM['dim']} depth {LM['depth']}: {n} blocks, "
+          f"2 stages x {LM['microbatches']} micro-batches (lean 1F1B)")
+    for c, t in cut_times.items():
+        tags = [tag for tag, cc in (("equal", equal_cut), ("auto", auto_cut), ("best", best_cut))
+                if cc == c]
+        print(f"    cut before block {c}: {t * 1e3:8.2f} ms/step  {' '.join(tags)}")
+    print(f"    automatic plan (own run)  : {med['lm auto'] * 1e3:8.2f} ms/step "
+          f"(profile + plan took {res['profile_and_plan_s']:.2f} s)")
+    print("    " + res["auto_plan_text"].replace("\n", "\n    "))
+    auto_vs_equal = cut_times[equal_cut] / med["lm auto"]
+    auto_vs_best = med["lm auto"] / cut_times[best_cut]
+    m = LM["microbatches"]
+    errors = []
+    print("(c) predicted vs measured compute per micro-batch (automatic plan)")
+    for stage, busy in zip(plan["stages"], res["auto_busy_per_stage_s"]):
+        measured = busy / m
+        ratio = stage["compute_s"] / measured
+        errors.append(abs(ratio - 1))
+        print(f"    stage {stage['stage']}: predicted {stage['compute_s'] * 1e3:7.2f} ms, "
+              f"measured {measured * 1e3:7.2f} ms, ratio {ratio:.2f}")
+    step_ratio = plan["predicted_step_s"] / med["lm auto"]
+    print(f"    step: predicted {plan['predicted_step_s'] * 1e3:.2f} ms, measured "
+          f"{med['lm auto'] * 1e3:.2f} ms, ratio {step_ratio:.2f}")
+    plan_s = _plan_time_100x8()
+    print(f"(d) planning 100 blocks onto 8 stages: {plan_s * 1e3:.2f} ms")
+    result = {
+        "speedup_2x8": round(base / med["lean 1f1b"], 3),
+        "speedup_2x8_gpipe": round(base / med["lean gpipe"], 3),
+        "torch_1f1b_speedup_2x8": round(base / med["torch 1f1b"], 3),
+        "torch_gpipe_speedup_2x8": round(base / med["torch gpipe"], 3),
+        "speedup_2x8_cpu_estimate": round(estimates["lean 1f1b"], 3),
+        "torch_1f1b_cpu_estimate": round(estimates["torch 1f1b"], 3),
+        "auto_vs_equal": round(auto_vs_equal, 3),
+        "auto_vs_best": round(auto_vs_best, 3),
+        "prediction_error": round(max(errors), 3),
+        "step_prediction_ratio": round(step_ratio, 3),
+        "plan_s_100x8": round(plan_s, 4),
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Scheduler benchmark: cycle time at scale, server throughput, and the policy next to FIFO.
+
+(a) 1,000 simulated nodes (CPU, a100 and h100 nodes), 10,000 queued jobs of gangs of 1-16
+    workers from 50 users at three priorities: the time of one ``schedule`` cycle. Reported:
+    the cold cycle (empty cluster) and the median of steady cycles (full cluster; before each,
+    1% of running jobs end, the queue is topped up to 10,000 and decisions are applied).
+(b) with ``--server-part``: job submissions accepted per second over HTTP, and no-op jobs
+    completed per second, on the real server (``torchrelay.server.app.create_app``); skipped
+    when that module is not there.
+(c) one simulated trace (``torchrelay.scheduler.simulate``): mean wait and utilisation of the
+    policy next to plain FIFO (``fifo.schedule_fifo``), on the same cluster and trace.
+
+Prints human-readable rows, then ``RESULT {json}``. Timings depend on the machine's load.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchrelay.scheduler import Allocation, SchedulerInput, schedule  # noqa: E402
+from torchrelay.scheduler.fifo import schedule_fifo  # noqa: E402
+from torchrelay.scheduler.simulate import mixed_cluster, mixed_trace, random_job, simulate  # noqa: E402
+
+
+def _apply(decisions, running: dict, queue: dict, now: float, rng: random.Random) -> None:
+    for victim in decisions.preemptions:
+        alloc = running.pop(victim)
+        queue[victim] = alloc_job[victim]
+    for placement in decisions.placements:
+        job = queue.pop(placement.job_id)
+        running[job.job_id] = Allocation(job.job_id, job.user, job.priority, placement.shape, placement.placement,
+                                         preemptible=job.preemptible, started_at=now - rng.uniform(0, 3000),
+                                         max_runtime_s=job.max_runtime_s)
+
+
+alloc_job: dict = {}
+
+
+def part_a(nodes_n: int, queued_n: int, steady_cycles: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    nodes = mixed_cluster(rng, nodes_n)
+    seq = 0
+
+    def new_job():
+        nonlocal seq
+        seq += 1
+        job = random_job(rng, seq, users=50, priorities=(0, 0, 0, 1, 5))
+        alloc_job[job.job_id] = job
+        return job
+
+    queue = {j.job_id: j for j in (new_job() for _ in range(queued_n))}
+    running: dict = {}
+    now = 0.0
+    started = time.perf_counter()
+    decisions = schedule(SchedulerInput(nodes, (), tuple(queue.values()), now=now))
+    cold_ms = (time.perf_counter() - started) * 1e3
+    print(f"(a) cold cycle: {nodes_n} empty nodes, {queued_n} queued: {cold_ms:8.1f} ms, "
+          f"{len(decisions.placements)} placed")
+    _apply(decisions, running, queue, now, rng)
+    times, placed, preempted = [], [], []
+    for cycle in range(steady_cycles + 2):  # the first two settle preemptions started cold
+        now += 60.0
+        for job_id in sorted(running)[:: 100]:  # 1% of running jobs end
+            del running[job_id]
+        while len(queue) < queued_n:
+            job = new_job()
+            queue[job.job_id] = job
+        inp = SchedulerInput(nodes, tuple(running.values()), tuple(queue.values()), now=now)
+        started = time.perf_counter()
+        decisions = schedule(inp)
+        elapsed = (time.perf_counter() - started) * 1e3
+        if cycle >= 2:
+            times.append(elapsed)
+            placed.append(len(decisions.placements))
+            preempted.append(len(decisions.preemptions))
+        _apply(decisions, running, queue, now, rng)
+    median = statistics.median(times)
+    fifo_times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        schedule_fifo(inp)
+        fifo_times.append((time.perf_counter() - started) * 1e3)
+    print(f"(a) steady cycle: {len(running)} running, {queued_n} queued: median {median:8.1f} ms "
+          f"(min {min(times):.1f}, max {max(times):.1f}) over {len(times)} cycles; "
+          f"placed/cycle {statistics.median(placed):g}, preempted/cycle {statistics.median(preempted):g}")
+    print(f"(a) plain FIFO on the last steady input:       median {statistics.median(fifo_times):8.1f} ms "
+          f"(goal for the policy: <= 100 ms)")
+    return {"cycle_ms_median": round(median, 2), "cold_cycle_ms": round(cold_ms, 1),
+            "fifo_cycle_ms_median": round(statistics.median(fifo_times), 2)}
+
+
+def part_c(nodes_n: int, jobs_n: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    nodes = mixed_cluster(rng, nodes_n)
+    trace = mixed_trace(rng, jobs_n, users=8, mean_gap_s=12.0)
+    rows = {}
+    for name, policy in (("policy", schedule), ("fifo", schedule_fifo)):
+        started = time.perf_counter()
+        result = simulate(nodes, trace, policy)
+        rows[name] = result
+        print(f"(c) {name:6s}: mean wait {result.mean_wait:9.1f} s, p95 wait "
+              f"{sorted(result.wait.values())[int(0.95 * len(result.wait))]:9.1f} s, utilisation "
+              f"{result.utilisation:6.3f}, makespan {result.makespan:9.0f} s, preemptions {result.preemptions}, "
+              f"{result.cycles} cycles in {time.perf_counter() - started:.1f} s")
+    ours, fifo = rows["policy"], rows["fifo"]
+    return {"utilisation_vs_fifo": round(ours.utilisation / fifo.utilisation, 3),
+            "mean_wait_vs_fifo": round(ours.mean_wait / fifo.mean_wait, 3) if fifo.mean_wait else None,
+            "utilisation": round(ours.utilisation, 3), "fifo_utilisation": round(fifo.utilisation, 3),
+            "mean_wait_s": round(ours.mean_wait, 1), "fifo_mean_wait_s": round(fifo.mean_wait, 1)}
+
+
+def part_b(submits: int, noop_jobs: int, threads: int = 8) -> dict:
+    """Submissions/s against a server with no agents (every job stays queued, so only acceptance
+    is timed), then no-op jobs/s on an embedded cluster of 2 agents. Real processes, real HTTP."""
+    if importlib.util.find_spec("torchrelay.server.app") is None:
+        print("(b) skipped: torchrelay.server.app is not there yet")
+        return {}
+    import tempfile
+    import threading
+
+    from torchrelay.client.cluster import start_cluster
+    from torchrelay.client.sdk import RelayClient
+    from torchrelay.spec import JobState
+
+    spec = {"name": "noop", "entrypoint": "python -c pass", "workers": 1, "resources": {"cpu": 0.5}}
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
+        cluster = start_cluster(agents=0, home=Path(tmp) / "submit")
+        try:
+            with RelayClient(cluster.address, user="bench") as client:
+                client.submit(spec, upload=False)  # warm up
+                errors: list[BaseException] = []
+
+                def submit_some(count: int) -> None:
+                    try:
+                        for _ in range(count):
+                            client.submit(spec, upload=False)
+                    except BaseException as exc:  # reported below
+                        errors.append(exc)
+
+                workers = [threading.Thread(target=submit_some, args=(submits // threads,)) for _ in range(threads)]
+                started = time.perf_counter()
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                elapsed = time.perf_counter() - started
+                if errors:
+                    raise errors[0]
+            out["submits_per_s"] = round(threads * (submits // threads) / elapsed, 1)
+            print(f"(b) submissions: {threads * (submits // threads)} over HTTP from {threads} threads in "
+                  f"{elapsed:.2f} s: {out['submits_per_s']:.0f}/s (goal >= 1000/s)")
+        finally:
+            cluster.stop()
+        cluster = start_cluster(agents=2, home=Path(tmp) / "noop")
+        try:
+            with RelayClient(cluster.address, user="bench") as client:
+                started = time.perf_counter()
+                ids = [client.submit(spec, upload=False).id for _ in range(noop_jobs)]
+                done_states = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+                while True:
+                    jobs = [j for j in client.jobs(limit=10000) if j.id in set(ids)]
+                    if all(j.state in done_states for j in jobs):
+                        break
+                    if time.perf_counter() - started > 600:
+                        raise TimeoutError(f"{noop_jobs} no-op jobs did not finish in 600 s")
+                    time.sleep(0.05)
+                elapsed = time.perf_counter() - started
+                failed = [j.id for j in jobs if j.state != JobState.SUCCEEDED]
+            out["noop_jobs_per_s"] = round(noop_jobs / elapsed, 2)
+            print(f"(b) no-op jobs: {noop_jobs} on 2 agents in {elapsed:.2f} s: {out['noop_jobs_per_s']:.2f}/s "
+                  f"(goal >= 50/s); not succeeded: {failed or 'none'}")
+        finally:
+            cluster.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--queued", type=int, default=10_000)
+    parser.add_argument("--cycles", type=int, default=5, help="steady cycles to time in (a)")
+    parser.add_argument("--trace-nodes", type=int, default=60)
+    parser.add_argument("--trace-jobs", type=int, default=1000)
+    parser.add_argument("--server-part", action="store_true", help="also run (b) against the real server")
+    parser.add_argument("--submits", type=int, default=2000, help="submissions timed in (b)")
+    parser.add_argument("--noop-jobs", type=int, default=40, help="no-op jobs timed in (b)")
+    parser.add_argument("--skip-a", action="store_true", help="skip part (a)")
+    parser.add_argument("--skip-c", action="store_true", help="skip part (c)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    result = {"cycle_ms_median": None, "submits_per_s": None, "noop_jobs_per_s": None,
+              "utilisation_vs_fifo": None, "mean_wait_vs_fifo": None}
+    if not args.skip_a:
+        result.update(part_a(args.nodes, args.queued, args.cycles, args.seed))
+    if args.server_part:
+        result.update(part_b(args.submits, args.noop_jobs))
+    else:
+        print("(b) not run: pass --server-part to measure the real server over HTTP")
+    if not args.skip_c:
+        result.update(part_c(args.trace_nodes, args.trace_jobs, args.seed))
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

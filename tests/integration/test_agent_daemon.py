@@ -1,0 +1,179 @@
+"""The agent daemon against a real server (uvicorn on a port the OS picks) with real workers:
+a 2-worker gloo job to SUCCEEDED with its logs and metrics shipped, a cancel mid-run that
+leaves no process, and buffering while the server is away."""
+from __future__ import annotations
+
+import socket
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from torchrelay.agent.daemon import Agent
+from torchrelay.agent.launcher import find_launch_processes
+from torchrelay.client.sdk import RelayClient
+from torchrelay.server.app import create_app
+from torchrelay.server.service import ClusterService
+from torchrelay.spec import JobSpec, JobState
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPT = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(f"rank {rank}/{world} sum={t.item():g}", flush=True)
+with open(os.path.join(os.environ["RELAY_METRICS_DIR"], f"rank-{rank}.jsonl"), "a") as fh:
+    fh.write(json.dumps({"step": 1, "time": time.time(), "values": {"sum": t.item()}}) + "\\n")
+if "hang" in sys.argv:
+    print(f"rank {rank} ready", flush=True)
+    time.sleep(600)
+dist.destroy_process_group()
+"""
+
+
+class ServerThread:
+    """A real torchrelay server (uvicorn) in a thread of this process, on ``port`` (0: the OS
+    picks), over the database in ``home`` (so a second one on the same port is a restart)."""
+
+    def __init__(self, home: Path, port: int = 0, heartbeat_timeout_s: float = 10.0):
+        self.service = ClusterService(f"sqlite:///{home / 'state.db'}", str(home / "store"), tick_s=0.2,
+                                      heartbeat_timeout_s=heartbeat_timeout_s)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.sock.bind(("127.0.0.1", port))
+                break
+            except OSError:  # a restart on the same port: wait until the old one let it go
+                assert time.monotonic() < deadline, f"port {port} never came free"
+                time.sleep(0.1)
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.service.public_url = self.address
+        config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+class AgentThread:
+    def __init__(self, address: str, work_dir: Path, name: str = "node-a"):
+        self.agent = Agent(address, name=name, cpus=2, gpus=0, memory=2**32, work_dir=work_dir,
+                           heartbeat_wait_s=5.0, ship_interval_s=0.2, stop_grace_s=3.0)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.agent.run, args=(self.stop_event,), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "agent did not stop"
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    code = tmp_path / "job"
+    code.mkdir()
+    (code / "job.py").write_text(textwrap.dedent(SCRIPT))
+    return code
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    server = ServerThread(tmp_path)
+    agent = AgentThread(server.address, tmp_path / "agent")
+    try:
+        yield server, agent
+    finally:
+        agent.stop()
+        server.stop()
+    launches = tmp_path / "agent" / "launches"
+    for launch_dir in (launches.iterdir() if launches.exists() else ()):
+        assert find_launch_processes(launch_dir.name) == [], f"processes of {launch_dir.name} left"
+
+
+def spec(mode: str = "ok") -> JobSpec:
+    return JobSpec.parse({"name": "allreduce", "entrypoint": f"python job.py {mode}", "workers": 2})
+
+
+def test_job_succeeds_with_logs_and_metrics(cluster, job_dir, tmp_path):
+    server, agent = cluster
+    with RelayClient(server.address) as client:
+        client.wait_for_nodes(1, timeout=30)
+        info = client.submit(spec(), base_dir=job_dir)
+        final = client.wait(info.id, timeout=180, poll_s=2)
+        assert final.state == JobState.SUCCEEDED, final
+        texts = {line.text for line in client.logs(info.id).lines}
+        assert {"rank 0/2 sum=3", "rank 1/2 sum=3"} <= texts
+        points = client.metrics(info.id).points
+        assert sorted((p.rank, p.step, p.values["sum"]) for p in points) == [(0, 1, 3.0), (1, 1, 3.0)]
+    assert (tmp_path / "agent" / "bundles" / f"{info.bundle}.tar.gz").exists()  # cached by digest
+
+
+def test_cancel_mid_run_stops_every_process(cluster, job_dir, tmp_path):
+    server, agent = cluster
+    with RelayClient(server.address) as client:
+        client.wait_for_nodes(1, timeout=30)
+        info = client.submit(spec("hang"), base_dir=job_dir)
+        deadline = time.monotonic() + 150
+        while {line.text for line in client.logs(info.id).lines} < {"rank 0 ready", "rank 1 ready"}:
+            assert time.monotonic() < deadline, "workers never got ready"
+            assert not client.job(info.id).state.terminal, client.job(info.id)
+            time.sleep(0.2)
+        (launch_id,) = [p.name for p in (tmp_path / "agent" / "launches").iterdir()]
+        assert len(find_launch_processes(launch_id)) >= 5  # torchrun, 2 supervisors, 2 scripts
+        client.cancel(info.id)
+        final = client.wait(info.id, timeout=60, poll_s=2)
+        assert final.state == JobState.CANCELLED, final
+        assert find_launch_processes(launch_id) == []
+        assert agent.agent.launches().get(launch_id) in (None, "exited")
+
+
+def test_agent_keeps_what_it_could_not_send(tmp_path, job_dir):
+    """The server goes away mid-job and comes back on the same port with the same database:
+    the job's lines and final status, produced meanwhile, all arrive."""
+    server = ServerThread(tmp_path, heartbeat_timeout_s=300)
+    agent = AgentThread(server.address, tmp_path / "agent")
+    try:
+        with RelayClient(server.address) as client:
+            client.wait_for_nodes(1, timeout=30)
+            info = client.submit(spec(), base_dir=job_dir)
+        deadline = time.monotonic() + 150
+        while not agent.agent.launches():
+            assert time.monotonic() < deadline, "the agent never got the launch"
+            time.sleep(0.05)
+        server.stop()
+        (launch_id,) = agent.agent.launches()
+        while agent.agent.launches().get(launch_id) != "exited":  # the job finishes meanwhile
+            assert time.monotonic() < deadline, "the launch never finished"
+            time.sleep(0.1)
+        server = ServerThread(tmp_path, port=server.port, heartbeat_timeout_s=300)
+        with RelayClient(server.address) as client:
+            final = client.wait(info.id, timeout=60, poll_s=2)
+            assert final.state == JobState.SUCCEEDED, final
+            texts = {line.text for line in client.logs(info.id).lines}
+            assert {"rank 0/2 sum=3", "rank 1/2 sum=3"} <= texts
+    finally:
+        agent.stop()
+        server.stop()
+    assert find_launch_processes(launch_id) == []

@@ -1,0 +1,174 @@
+"""Parameter-server training in real processes on 127.0.0.1.
+
+Each test starts W workers + S server ranks of ``test_ps_job.py`` (the store: a TCPStore on
+an OS-chosen port, hosted here; or torchrun's own) and reads what every worker wrote.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("test_ps_job.py")
+sys.path.insert(0, str(JOB.parent))
+from test_ps_job import digits, make_model  # noqa: E402  (the job's own data and model)
+
+
+class Job:
+    """W + S processes of the job script, each in its own session; killed on exit."""
+
+    def __init__(self, cfg: dict, out: Path, torchrun: bool = False) -> None:
+        self.workers = cfg["workers"]
+        self.servers = cfg["strategy"].get("servers", 1)
+        self.out = out
+        self.store = None
+        data = out / "digits.pt"
+        digits(str(data))  # once here, so no worker pays for importing sklearn
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                   PS_JOB=json.dumps({**cfg, "out": str(out), "data": str(data)}))
+        env.pop("TORCHRELAY_PS_STORE", None)
+        world = self.workers + self.servers
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={world}", str(JOB), "--torchrun"]
+            self.procs = [subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)]
+            return
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+        env["TORCHRELAY_PS_STORE"] = f"127.0.0.1:{self.store.port}"
+        self.procs = [subprocess.Popen([sys.executable, str(JOB)], cwd=REPO, start_new_session=True,
+                                       env={**env, "RANK": str(r), "WORLD_SIZE": str(world)})
+                      for r in range(world)]
+
+    def wait(self, timeout: float = 100) -> list[int]:
+        deadline = time.monotonic() + timeout
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in self.procs]
+
+    def results(self) -> list[dict]:
+        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(self.workers)]
+
+    def params(self, rank: int) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / f"rank{rank}.pt")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    started: list[Job] = []
+
+    def start(cfg: dict, torchrun: bool = False) -> Job:
+        j = Job(cfg, tmp_path, torchrun)
+        started.append(j)
+        return j
+
+    yield start
+    for j in started:
+        j.kill()
+
+
+def ps_strategy(mode: str, servers: int = 1, **extra) -> dict:
+    return {"kind": "parameter_server", "servers": servers, "mode": mode, **extra}
+
+
+def reference_equiv(steps: int, workers: int, batch: int, lr: float, momentum: float) -> dict:
+    """The same training in one process on the combined batch (what sync must equal)."""
+    X, y = digits()
+    X, y = X[:1400], y[:1400]
+    model = make_model(32)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for t in range(steps):
+        idx = torch.cat([torch.arange(b, b + batch) for b in
+                         ((t * workers * batch + r * batch) % (len(X) - batch) for r in range(workers))])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def assert_params_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_sync_equals_single_process_on_combined_batch_under_torchrun(job):
+    """Two workers and a server launched by torchrun: the default process group's store
+    carries the addresses. (Two shards, tensors split across them: the shard-death test.)"""
+    cfg = {"workers": 2, "task": "equiv", "steps": 25, "batch": 16,
+           "strategy": ps_strategy("sync", servers=1, optimizer={"name": "sgd", "lr": 0.2, "momentum": 0.9})}
+    j = job(cfg, torchrun=True)
+    assert j.wait() == [0]
+    want = reference_equiv(25, 2, 16, lr=0.2, momentum=0.9)
+    for rank in range(2):
+        assert_params_close(j.params(rank), want)
+    assert all(r["ps_staleness_max"] == 0 for r in j.results())
+
+
+def test_async_trains_digits_and_does_not_wait_for_a_held_back_worker(job):
+    """Worker 1 stops after its first step until worker 0 has done 12 steps: with async,
+    worker 0 gets there (it would deadlock if it waited), running 8+ clocks ahead."""
+    cfg = {"workers": 2, "task": "digits", "epochs": 5, "batch": 32, "hidden": 64,
+           "slow": {"rank": 1, "hold_until_peer_steps": 12},
+           "strategy": ps_strategy("async", optimizer={"name": "adam", "lr": 0.01})}
+    j = job(cfg)
+    assert j.wait() == [0, 0, 0]
+    fast, slow = j.results()
+    assert fast["ps_staleness_max"] >= 8 > 2
+    assert min(fast["acc"], slow["acc"]) >= 0.95
+
+
+def test_ssp_bounds_staleness_with_a_slowed_worker_and_trains_digits(job):
+    cfg = {"workers": 2, "task": "digits", "epochs": 5, "batch": 32, "hidden": 64,
+           "slow": {"rank": 1, "pause_s": 0.5, "sleep_s": 0.005},
+           "strategy": ps_strategy("ssp", servers=2, staleness=2, optimizer={"name": "adam", "lr": 0.01})}
+    j = job(cfg)
+    assert j.wait() == [0, 0, 0, 0]
+    fast, slow = j.results()
+    assert fast["ps_staleness_max"] <= 2 and slow["ps_staleness_max"] <= 2
+    assert fast["ps_staleness_max"] == 2, "the fast worker should have run up to the bound"
+    assert min(fast["acc"], slow["acc"]) >= 0.95
+
+
+def test_killed_shard_restarts_on_its_state_and_sync_math_is_unchanged(job):
+    """Shard 0's process is SIGKILLed while worker 1 waits inside round 10. The supervisor
+    restarts it on the shared state, both workers reconnect and resend, every process exits 0
+    and the parameters still equal single-process training."""
+    cfg = {"workers": 2, "task": "equiv", "steps": 20, "batch": 16, "pause_at": {"rank": 0, "step": 10},
+           "strategy": ps_strategy("sync", servers=2, optimizer={"name": "sgd", "lr": 0.2, "momentum": 0.9})}
+    j = job(cfg)
+    store = j.store
+    store.wait(["paused"], datetime.timedelta(seconds=60))
+    while store.add("progress1", 0) < 10:  # worker 1 finished round 9; it now waits in round 10
+        time.sleep(0.01)
+    generation_key = "torchrelay/ps/0/shard/0/generation"
+    addr = store.get("torchrelay/ps/0/shard/0/addr/1").decode()
+    shard_pid = int(addr.rsplit("|", 1)[1])
+    os.kill(shard_pid, signal.SIGKILL)
+    store.wait(["torchrelay/ps/0/shard/0/addr/2"], datetime.timedelta(seconds=60))
+    store.set("resume", "1")
+    assert j.wait() == [0, 0, 0, 0]
+    assert store.add(generation_key, 0) == 2
+    results = j.results()
+    assert results[1]["ps_reconnects"] >= 1
+    want = reference_equiv(20, 2, 16, lr=0.2, momentum=0.9)
+    for rank in range(2):
+        assert_params_close(j.params(rank), want)

@@ -1,0 +1,167 @@
+"""A real shard server on 127.0.0.1 against hand-made messages: malformed or out-of-order
+requests are refused and never touch the parameters; duplicates are answered, not reapplied."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from torchrelay.spec import ServerOptimizer
+from torchrelay.train.ps import protocol as P
+from torchrelay.train.ps.plan import ParamSpec, make_plan
+from torchrelay.train.ps.server import ShardServer, ShardState, buffers_for
+
+pytestmark = pytest.mark.timeout(30)
+
+LAYOUT = [ParamSpec("w", "float32", (4, 3)), ParamSpec("b", "float32", (3,))]
+LR = 0.5
+
+
+@pytest.fixture
+def shard_server():
+    plan = make_plan(LAYOUT, 1)
+    shard = plan.shard(0)
+    opt = ServerOptimizer(name="sgd", lr=LR)
+    state = ShardState.allocate(shard, buffers_for(opt), workers=2)
+    server = ShardServer(shard, state, num_workers=2, mode="async", staleness=0, optimizer=opt)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def connect(server: ShardServer) -> socket.socket:
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    return sock
+
+
+def header(server: ShardServer, op: P.Op, **kw) -> P.Header:
+    fields = {"worker": 0, "shard": 0, "step": 0, "plan_id": server.shard.plan_id, "payload_len": 0, "aux": 0}
+    fields.update(kw)
+    return P.Header(op, **fields)
+
+
+def exchange(sock: socket.socket, raw: bytes) -> tuple[P.Header, bytes]:
+    sock.sendall(raw)
+    reply = P.recv_header(sock)
+    return reply, P.recv_bytes(sock, reply.payload_len)
+
+
+def initial_bytes(server: ShardServer) -> bytes:
+    return torch.arange(server.shard.nbytes // 4, dtype=torch.float32).numpy().tobytes()
+
+
+def init(server: ShardServer) -> bytes:
+    data = initial_bytes(server)
+    with connect(server) as sock:
+        reply, _ = exchange(sock, P.pack(header(server, P.Op.INIT, payload_len=len(data))) + data)
+        assert reply.op == P.Op.OK
+    return data
+
+
+def pull(server: ShardServer) -> bytes:
+    with connect(server) as sock:
+        reply, payload = exchange(sock, P.pack(header(server, P.Op.PULL)))
+        assert reply.op == P.Op.PARAMS
+        return payload
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def raw_header(server: ShardServer, magic=P.MAGIC, version=P.VERSION, op=int(P.Op.PUSH), flags=0,
+               worker=0, shard=0, step=0, plan_id=None, length=None, aux=0) -> bytes:
+    return P.HEADER.pack(magic, version, op, flags, worker, shard, step,
+                         server.shard.plan_id if plan_id is None else plan_id,
+                         server.shard.nbytes if length is None else length, aux)
+
+
+BAD = [
+    ("bad magic", dict(magic=b"XXXX"), "bad magic"),
+    ("future version", dict(version=9), "protocol version 9"),
+    ("unknown op", dict(op=99), "unknown op 99"),
+    ("reply op from a worker", dict(op=int(P.Op.PARAMS)), "not a request"),
+    ("flags set", dict(flags=1), "flags"),
+    ("other shard", dict(shard=3), "shard 3"),
+    ("other model layout", dict(plan_id=12345), "plan_id"),
+    ("worker out of range", dict(worker=7), "worker 7"),
+    ("short payload length", dict(length=8), "expects exactly"),
+    ("huge payload length", dict(length=1 << 40), "expects exactly"),
+    ("clock from the future", dict(step=5), "out of order"),
+    ("hello with wrong worker count", dict(op=int(P.Op.HELLO), length=0, aux=3), "3 workers"),
+]
+
+
+@pytest.mark.parametrize("name,fields,reason", BAD, ids=[b[0] for b in BAD])
+def test_malformed_or_out_of_order_request_is_refused_and_params_untouched(shard_server, name, fields, reason):
+    before = init(shard_server)
+    grad = torch.ones(shard_server.shard.nbytes // 4, dtype=torch.float32).numpy().tobytes()
+    with connect(shard_server) as sock:
+        raw = raw_header(shard_server, **fields)
+        length = P.HEADER.unpack(raw)[8]
+        payload = grad if length == len(grad) else b""
+        reply, message = exchange(sock, raw + payload)
+        assert reply.op == P.Op.ERROR
+        assert reason in message.decode(), message
+        assert closed_by_peer(sock)
+    assert pull(shard_server) == before
+    assert shard_server.version == 0
+
+
+def test_truncated_payload_is_dropped_without_touching_params(shard_server):
+    before = init(shard_server)
+    with connect(shard_server) as sock:
+        sock.sendall(raw_header(shard_server) + b"\x00" * (shard_server.shard.nbytes // 2))
+    # the server notices the close mid-payload; nothing was applied
+    assert pull(shard_server) == before
+    assert shard_server.version == 0
+
+
+def test_push_before_init_is_refused(shard_server):
+    with connect(shard_server) as sock:
+        reply, message = exchange(sock, raw_header(shard_server) + b"\x00" * shard_server.shard.nbytes)
+    assert reply.op == P.Op.ERROR and b"initialised" in message
+
+
+def test_bad_set_state_meta_is_refused(shard_server):
+    before = init(shard_server)
+    meta = b"{not json"
+    body = b"\x00" * shard_server.identity.state_nbytes + meta
+    with connect(shard_server) as sock:
+        reply, message = exchange(sock, P.pack(header(shard_server, P.Op.SET_STATE, payload_len=len(body),
+                                                      aux=len(meta))) + body)
+    assert reply.op == P.Op.ERROR and b"meta" in message
+    assert pull(shard_server) == before
+
+
+def test_good_push_applies_once_and_a_resend_is_not_reapplied(shard_server):
+    before = torch.frombuffer(bytearray(init(shard_server)), dtype=torch.float32)
+    grad = torch.full_like(before, 2.0)
+    push = P.pack(header(shard_server, P.Op.PUSH, step=0, payload_len=shard_server.shard.nbytes))
+    with connect(shard_server) as sock:
+        reply, payload = exchange(sock, push + grad.numpy().tobytes())
+        assert reply.op == P.Op.PARAMS and reply.step == 1
+        after = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        # only the parameters' elements are updated (not the alignment padding between them)
+        updated = torch.zeros_like(before, dtype=torch.bool)
+        for seg in shard_server.shard.segments:
+            updated[seg.offset // 4:seg.offset // 4 + seg.numel] = True
+        assert not updated.all()  # the layout has padding
+        torch.testing.assert_close(after[updated], before[updated] - LR * 2.0)
+        torch.testing.assert_close(after[~updated], before[~updated])
+        again, payload2 = exchange(sock, push + grad.numpy().tobytes())  # the same clock again
+        assert again.op == P.Op.PARAMS and again.step == 1
+        assert payload2 == payload
+        future = P.pack(header(shard_server, P.Op.PUSH, step=7, payload_len=shard_server.shard.nbytes))
+        stale, message = exchange(sock, future + grad.numpy().tobytes())
+        assert stale.op == P.Op.ERROR and b"out of order" in message
+    assert shard_server.version == 1
