@@ -33,9 +33,12 @@ def main() -> int:
         with RelayClient(cluster.address) as client:
             for node in client.nodes():
                 console.print(f"  node {node.name}: {node.cpus:g} cpus, {node.memory / 2**30:.1f} GiB")
-            spec = JobSpec.from_yaml_text((HERE / "job.yaml").read_text())
+            # one worker on each agent, so the demo crosses nodes as a real cluster would
+            spec = JobSpec.from_yaml_text((HERE / "job.yaml").read_text(),
+                                          ["nodes=2", "workers_per_node=1", "workers=2"])
             info = client.submit(spec, base_dir=HERE)
-            console.print(f"[bold]submitted[/] {info.id}: {spec.entrypoint} × {spec.workers} workers")
+            console.print(f"[bold]submitted[/] {info.id}: {spec.entrypoint} × {spec.workers} workers",
+                          soft_wrap=True)
             final = follow(client, info.id, show_logs=False)
             print_outcome(final)
             accuracy, saved = None, None

@@ -11,7 +11,9 @@ the job spec's strategy decides how ``prepare`` distributes it::
     for step, (x, y) in enumerate(loader, 1):
         ...
         rt.report(step, loss=loss.item())              # reaches the server, batched
-    rt.save_checkpoint({"model": model.state_dict()}, step)
+        if rt.checkpoint_due(step):
+            rt.save_checkpoint({"model": model.state_dict()}, step)   # on every rank
+    rt.finish()                                        # replicas agree (final averaging …)
     if ctx.is_main:
         rt.save_artifact("model.pt", rt.unwrap(model).state_dict())
     rt.shutdown()
@@ -20,14 +22,14 @@ Imports nothing from ``torchrelay.server``. See docs/training-library.md.
 """
 from torchrelay.train.artifacts import artifact_url, job_store, save_artifact
 from torchrelay.train.checkpoint import checkpoint_due, load_checkpoint, save_checkpoint
-from torchrelay.train.context import (Context, LocalModule, current_context, init, prepare, shutdown,
+from torchrelay.train.context import (Context, LocalModule, current_context, finish, init, prepare, shutdown,
                                       unwrap)
 from torchrelay.train.data import shard, shard_indices
 from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 
 __all__ = [
-    "Context", "LocalModule", "artifact_url", "checkpoint_due", "current_context", "flush_metrics",
+    "Context", "LocalModule", "artifact_url", "checkpoint_due", "current_context", "finish", "flush_metrics",
     "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
     "shard", "shard_indices", "shutdown", "unwrap",
 ]

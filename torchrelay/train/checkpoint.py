@@ -17,9 +17,10 @@ Contract:
   the manifest lists and unpickles with ``torch.load(weights_only=True)``; a checkpoint that
   fails any of these is skipped with a warning naming it and the reason, and the previous one
   is tried. A malicious pickle is refused by ``weights_only`` and never runs.
-- ``save_checkpoint`` writes on the main rank only (the DDP state is the same on every rank)
-  and returns the checkpoint's URL on every rank without waiting for the others, so it may be
-  called on every rank or on rank 0 alone. ``load_checkpoint`` reads on every rank that calls it.
+- ``save_checkpoint`` is called on every rank: it first runs the prepared optimizer's
+  ``before_checkpoint()`` if it has one (``train.sync``'s final averaging, a collective), then
+  writes on the main rank only (replicas hold the same state) and returns the checkpoint's URL
+  on every rank without waiting for the write. ``load_checkpoint`` reads on every rank.
   (Issue 3 moves the bytes onto torch.distributed.checkpoint behind these same signatures.)
 """
 from __future__ import annotations
@@ -240,13 +241,18 @@ def job_checkpoints() -> CheckpointStore:
 def save_checkpoint(state: dict, step: int) -> str:
     """Commit ``state`` (tensors, state dicts, numbers, strings) as the checkpoint at ``step``.
 
-    Writes on the main rank only; returns the checkpoint URL on every rank without waiting.
-    Raises ``StorageError`` (unwritable store, full disk) on the main rank, leaving the
+    Call it on every rank: the prepared optimizer's ``before_checkpoint()`` runs first where it
+    has one (final averaging makes it a collective), and ``state``'s tensors should be the live
+    ones (``state_dict()`` shares storage) so they hold its result. Then the main rank writes;
+    every rank gets the checkpoint URL without waiting for the write. Raises ``StorageError`` (unwritable store, full disk) on the main rank, leaving the
     previous checkpoint loadable.
     """
     from torchrelay.train.artifacts import serialize
-    from torchrelay.train.context import current_context
+    from torchrelay.train.context import current_context, current_optimizer
 
+    before = getattr(current_optimizer(), "before_checkpoint", None)
+    if callable(before):
+        before()  # e.g. final averaging: the checkpoint holds the consensus (collective)
     checkpoints = job_checkpoints()
     name = step_dirname(step)
     if not current_context().is_main:

@@ -14,7 +14,9 @@ Contract:
   ``.module`` / ``no_sync()`` surface in a world of 1), or hands off to ``train.sync`` /
   ``train.ps``. The optimizer it returns is remembered so ``report()`` can merge its
   ``metrics()``.
-- ``shutdown()`` flushes metrics, runs ``gc.collect()`` and destroys the process group
+- ``finish()`` lets the optimizer make replicas agree at the end (final averaging); collective.
+- ``shutdown()`` flushes metrics, closes the optimizer's connections (parameter server),
+  runs ``gc.collect()`` and destroys the process group
   (DESIGN.md §6: DDP's reducer sits in a reference cycle; collecting it before
   ``destroy_process_group`` avoids the gloo abort at interpreter exit). Idempotent.
 """
@@ -289,14 +291,35 @@ def prepare(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, An
 # ---------------------------------------------------------------- shutdown
 
 
-def shutdown() -> None:
-    """Flush metrics, collect garbage, destroy the default process group (ours or adopted). Idempotent.
+def finish() -> None:
+    """End of training: make replicas agree where the strategy let them drift apart.
 
-    Call it last, on every rank; afterwards ``init()`` may build a new group."""
+    Calls the prepared optimizer's ``finish()`` (final averaging, the last local-SGD period);
+    a no-op for DDP and for optimizers without one. Collective: call it on every worker rank,
+    before evaluating or saving the final model. Idempotent.
+    """
+    hook = getattr(_optimizer, "finish", None)
+    if callable(hook):
+        hook()
+
+
+def shutdown() -> None:
+    """Flush metrics, close the prepared optimizer's connections, collect garbage, destroy the
+    default process group (ours or adopted). Idempotent.
+
+    Call it last, on every rank; afterwards ``init()`` may build a new group. The optimizer's
+    ``close()`` (parameter server: tells the shards this worker is done) runs if it has one.
+    """
     global _context, _optimizer
-    _report_module().close_writer()
-    _optimizer = None
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()  # only matters when a group's reducers and work objects may be in cycles
-        dist.destroy_process_group()
-    _context = None
+    optimizer, _optimizer = _optimizer, None
+    try:
+        _report_module().close_writer()
+        close = getattr(optimizer, "close", None)
+        if callable(close):
+            close()
+    finally:
+        del optimizer
+        if dist.is_available() and dist.is_initialized():
+            gc.collect()  # DDP's reducer sits in a reference cycle: free it while the group lives
+            dist.destroy_process_group()
+        _context = None

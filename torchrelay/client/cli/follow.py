@@ -79,7 +79,9 @@ def print_outcome(info: JobInfo) -> None:
 
     took = duration((info.finished_at or time.time()) - (info.started_at or info.submitted_at))
     console.print(f"job {info.id} {styled_state(info.state.value)} after {took}"
-                  + (f" ({info.restarts} restart(s))" if info.restarts else ""))
+                  + (f" ({info.restarts} restart(s))" if info.restarts else "")
+                  + (" on " + ", ".join(f"{p.node_name}×{p.workers}" for p in info.placement) if info.placement else ""),
+                  soft_wrap=True)
     if info.failure:
         f = info.failure
         where = f" on node {f.node}" if f.node else ""
