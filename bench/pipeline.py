@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MLP = dict(width=512, depth=8, microbatch=32, microbatches=8)
-LM = dict(vocab=8192, dim=128, depth=6, heads=4, context=64, microbatch=4, microbatches=8)
+LM = dict(vocab=16384, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
 
 
 def _free_port() -> int:
@@ -163,11 +163,12 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int) -> None
         samples["baseline"] += run_baseline(steps)
         for name, pipe in mlp_pipes.items():
             samples.setdefault(name, []).extend(run(pipe, mlp_x, mlp_y, steps, name)[0])
-        t, b = run(auto, lm_x, lm_y, steps)
+        lm_steps = max(1, steps // 2)  # 12 configurations of a slower model
+        t, b = run(auto, lm_x, lm_y, lm_steps)
         samples.setdefault("lm auto", []).extend(t)
         busy_auto += b
         for c, pipe in cuts.items():
-            samples.setdefault(f"lm cut {c}", []).extend(run(pipe, lm_x, lm_y, steps)[0])
+            samples.setdefault(f"lm cut {c}", []).extend(run(pipe, lm_x, lm_y, lm_steps)[0])
 
     medians = {k: statistics.median(v) for k, v in samples.items()}
     busy_all = [None, None]

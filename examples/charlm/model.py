@@ -42,6 +42,9 @@ class Embedding(nn.Module):
         self.positions = nn.Embedding(cfg.context, cfg.d_model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.positions.num_embeddings:
+            raise ValueError(f"input of {ids.shape[1]} characters is longer than the model's context "
+                             f"{self.positions.num_embeddings}; cut it or build the model with a larger context")
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.tokens(ids) + self.positions(positions)
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = rt.init()
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts rank 0's anyway)
     train_set, test_set = load_split(args.seed)
-    model, optimizer = DigitsCNN(), None
+    model = DigitsCNN()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model, optimizer = rt.prepare(model, optimizer)
     loader = rt.shard(train_set, batch_size=args.batch_size, seed=args.seed)
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         last = time.perf_counter()
         for index, (images, labels) in enumerate(loader):
             if epoch * steps_per_epoch + index < step:
+                last = time.perf_counter()
                 continue  # done before the resume; skipping keeps the same data order
             images, labels = images.to(ctx.device), labels.to(ctx.device)
             optimizer.zero_grad(set_to_none=True)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         if ctx.is_main:
             print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total_steps} loss={loss.item():.4f}", flush=True)
 
+    rt.finish()  # replicas agree before the final figure (a no-op for DDP; averages for final_average)
     if ctx.is_main:
         accuracy = evaluate(rt.unwrap(model), test_set, ctx.device)
         rt.report(step, accuracy=accuracy, total_steps=total_steps)

@@ -1,9 +1,13 @@
 """The agent daemon against a real server (uvicorn on a port the OS picks) with real workers:
 a 2-worker gloo job to SUCCEEDED with its logs and metrics shipped, a cancel mid-run that
-leaves no process, and buffering while the server is away."""
+leaves no process, buffering while the server is away, and clean-up after an agent that died."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
 import textwrap
 import threading
 import time
@@ -128,6 +132,7 @@ def test_job_succeeds_with_logs_and_metrics(cluster, job_dir, tmp_path):
         points = client.metrics(info.id).points
         assert sorted((p.rank, p.step, p.values["sum"]) for p in points) == [(0, 1, 3.0), (1, 1, 3.0)]
     assert (tmp_path / "agent" / "bundles" / f"{info.bundle}.tar.gz").exists()  # cached by digest
+    assert json.loads((tmp_path / "agent" / "node.json").read_text())["node_id"] == agent.agent.node_id
 
 
 def test_cancel_mid_run_stops_every_process(cluster, job_dir, tmp_path):
@@ -149,6 +154,7 @@ def test_cancel_mid_run_stops_every_process(cluster, job_dir, tmp_path):
         assert agent.agent.launches().get(launch_id) in (None, "exited")
 
 
+@pytest.mark.slow
 def test_agent_keeps_what_it_could_not_send(tmp_path, job_dir):
     """The server goes away mid-job and comes back on the same port with the same database:
     the job's lines and final status, produced meanwhile, all arrive."""
@@ -177,3 +183,24 @@ def test_agent_keeps_what_it_could_not_send(tmp_path, job_dir):
         agent.stop()
         server.stop()
     assert find_launch_processes(launch_id) == []
+
+
+def test_start_ends_processes_an_earlier_agent_left(tmp_path):
+    launch_id = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "agent" / "launches" / launch_id).mkdir(parents=True)
+    (tmp_path / "agent" / "node.json").write_text(json.dumps({"node_id": "node-earlier"}))
+    orphan = subprocess.Popen(["sleep", "600"], env={**os.environ, "RELAY_LAUNCH_ID": launch_id},
+                              start_new_session=True)
+    server = ServerThread(tmp_path)
+    agent = AgentThread(server.address, tmp_path / "agent")
+    try:
+        assert orphan.wait(timeout=30) == -signal.SIGKILL
+        with RelayClient(server.address) as client:
+            (node,) = client.wait_for_nodes(1, timeout=30)
+        assert node.id == "node-earlier"  # registered again under the saved id
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+        agent.stop()
+        server.stop()

@@ -46,6 +46,12 @@ def test_worker_argv(entrypoint, expected):
     assert worker_argv(entrypoint) == expected
 
 
+def test_worker_argv_runs_unhosted_python_with_the_given_interpreter():
+    assert worker_argv(["python3", "-c", "print(1)"], "/venv/bin/python") == \
+        ["--exec", "/venv/bin/python", "-c", "print(1)"]
+    assert worker_argv(["bash", "x.sh"], "/venv/bin/python") == ["--exec", "bash", "x.sh"]
+
+
 @pytest.mark.parametrize("entrypoint", [[], [""]])
 def test_worker_argv_refuses_empty(entrypoint):
     with pytest.raises(ValueError, match="entrypoint .* is empty"):

@@ -195,7 +195,7 @@ class _Evil:
 def test_a_malicious_pickle_never_runs(checkpoints, tmp_path, encoding):
     marker = str(tmp_path / "pwned")
     evil = {"model": _Evil(marker)}
-    data = _encode(evil) if encoding == "torch.save zip" else pickle.dumps(evil)
+    data = _encode(evil) if encoding == "torch.save zip" else pickle.dumps(evil, protocol=2)
     checkpoints.save({STATE_FILE: _encode(_state(1.0))}, 1)
     checkpoints.save({STATE_FILE: data}, 2)  # checksums are right: only the unpickler can refuse it
     loaded = checkpoints.load(decode=decode_files)

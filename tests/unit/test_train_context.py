@@ -134,18 +134,74 @@ def test_prepare_refuses_pipeline(single_process):
         rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_init_with_parameter_server_strategy_works_before_its_hook_exists(single_process):
-    import torchrelay.train.ps as ps
-
-    if hasattr(ps, "run_server_role_if_assigned"):
-        pytest.skip("torchrelay.train.ps has its hook now; its own tests cover the server role")
-    single_process.setenv("RELAY_STRATEGY", '{"kind": "parameter_server"}')
-    ctx = rt.init()  # worker role: returns (server ranks never do, once torchrelay.train.ps has the hook)
-    assert ctx.strategy.kind == "parameter_server"
-
-
 def test_shutdown_is_idempotent(single_process):
     rt.init()
     rt.shutdown()
     rt.shutdown()
     assert rt.init().rank == 0
+
+
+class _StrategyOptimizer(torch.optim.SGD):
+    """An optimizer with the hooks train.sync / train.ps optimizers have, recording the calls."""
+
+    calls: list[str] = []
+
+    def finish(self) -> None:
+        self.calls.append("finish")
+
+    def before_checkpoint(self) -> None:
+        self.calls.append("before_checkpoint")
+        with torch.no_grad():  # as final averaging does: in place, so the state dict sees it
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.fill_(7.0)
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_optimizer_hooks_run_at_finish_checkpoint_and_shutdown(single_process, tmp_path):
+    single_process.setenv("RELAY_OUTPUT_DIR", str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    optimizer = _StrategyOptimizer(model.parameters(), lr=0.1)
+    optimizer.calls = []
+    model, optimizer = rt.prepare(model, optimizer)
+    rt.finish()
+    rt.save_checkpoint({"model": model.state_dict()}, 1)
+    state, _step = rt.load_checkpoint()
+    assert torch.equal(state["model"]["module.weight"], torch.full((1, 2), 7.0))  # taken after the hook
+    rt.shutdown()
+    rt.shutdown()
+    assert optimizer.calls == ["finish", "before_checkpoint", "close"]
+
+
+@pytest.mark.parametrize("strategy", ['{"kind": "local_sgd", "every": 2}', '{"kind": "final_average"}'])
+def test_prepare_hands_sync_strategies_to_train_sync(single_process, strategy):
+    single_process.setenv("RELAY_STRATEGY", strategy)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _model, prepared = rt.prepare(model, optimizer)
+    assert type(prepared).__module__ == "torchrelay.train.sync" and prepared is not optimizer
+
+
+@pytest.mark.parametrize("timeout_s, env_value, expected", [
+    (None, None, None), (None, "", None), (30, None, 30.0), (None, "12.5", 12.5), (5, "99", 5.0),
+])
+def test_collective_timeout(timeout_s, env_value, expected):
+    from torchrelay.train.context import collective_timeout
+
+    got = collective_timeout(timeout_s, env_value)
+    assert (got.total_seconds() if got is not None else None) == expected
+
+
+@pytest.mark.parametrize("timeout_s, env_value, fragment", [
+    (None, "soon", "RELAY_COLLECTIVE_TIMEOUT_S='soon' is not a number"),
+    (None, "-1", "RELAY_COLLECTIVE_TIMEOUT_S='-1' must be > 0"),
+    (0, None, "timeout_s=0 must be"),
+    ("10", None, "timeout_s='10' must be"),
+])
+def test_collective_timeout_refuses(timeout_s, env_value, fragment):
+    from torchrelay.train.context import collective_timeout
+
+    with pytest.raises(InvalidSpec, match=fragment):
+        collective_timeout(timeout_s, env_value)

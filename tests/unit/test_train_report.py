@@ -170,3 +170,17 @@ def test_report_is_flushed_at_interpreter_exit_without_shutdown(tmp_path):
     code = "import torchrelay.train as rt\nfor s in range(5): rt.report(s, loss=1.0 / (s + 1))\n"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     assert [r["step"] for r in _lines(tmp_path / "rank-1.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_write_keeps_the_lines_for_the_next_flush(tmp_path):
+    path = tmp_path / "rank-0.jsonl"
+    path.mkdir()  # opening it for appending fails, as a full disk or a lost mount would
+    writer = MetricsWriter(str(path), flush_interval_s=3600)
+    writer.write(1, {"loss": 1.0})
+    writer.write(2, {"loss": 0.5})
+    with pytest.raises(OSError):
+        writer.flush()
+    path.rmdir()
+    writer.write(3, {"loss": 0.25})
+    writer.close()
+    assert [r["step"] for r in _lines(path)] == [1, 2, 3]

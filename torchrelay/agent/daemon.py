@@ -20,15 +20,21 @@ Contract:
   more to deliver what is pending, and returns when no process of any launch is left.
   Idempotent.
 
-Layout of ``work_dir``: ``bundles/<sha256>.tar.gz`` and ``launches/<launch_id>/`` (``code/``
-plus the launcher's ``logs/``, ``metrics/``, ``status/``, ``torchrun.log``).
+- On start, processes of launches in ``work_dir`` that an earlier agent left (it was killed
+  without ``close``) are killed, and the agent registers under the node id saved there.
+
+Layout of ``work_dir``: ``node.json`` (the node id), ``bundles/<sha256>.tar.gz`` and
+``launches/<launch_id>/`` (``code/`` plus the launcher's ``logs/``, ``metrics/``, ``status/``,
+``torchrun.log``).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import threading
@@ -38,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from torchrelay import wire
-from torchrelay.agent.launcher import Launch, pick_free_port
+from torchrelay.agent.launcher import Launch, find_launch_processes, pick_free_port
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +278,8 @@ class Agent:
     def run(self, stop_event: threading.Event) -> None:
         """Serve until ``stop_event`` is set, then ``close()``. Blocks."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._end_orphans()
+        self.node_id = self.node_id or self._saved_node_id()
         for target, name in ((self._heartbeat_loop, "relay-agent-heartbeat"),
                              (self._ship_loop, "relay-agent-ship")):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -314,6 +322,32 @@ class Agent:
 
     # -------------------------------------------------------------- heartbeat and reconcile
 
+    def _end_orphans(self) -> None:
+        """Kill processes of launches in ``work_dir`` left by an agent that died without
+        ``close()`` (they carry that launch's ``RELAY_LAUNCH_ID``)."""
+        launches = self.work_dir / "launches"
+        for launch_dir in sorted(launches.iterdir()) if launches.is_dir() else ():
+            pids = find_launch_processes(launch_dir.name)
+            if pids:
+                log.warning("ending %d processes of launch %s left by an earlier agent",
+                            len(pids), launch_dir.name)
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+    def _node_file(self) -> Path:
+        return self.work_dir / "node.json"
+
+    def _saved_node_id(self) -> str | None:
+        """The node id an earlier agent in this ``work_dir`` registered under, if any: the
+        server then learns at once that launches it thought running here are gone."""
+        try:
+            return json.loads(self._node_file().read_text()).get("node_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def _register(self) -> None:
         reply = self._http.post("/nodes/register", json=self.registration().model_dump(mode="json"))
         reply.raise_for_status()
@@ -322,6 +356,10 @@ class Agent:
             log.warning("server gave node id %s instead of %s", registered.node_id, self.node_id)
         self.node_id = registered.node_id
         self._version = -1
+        try:
+            self._node_file().write_text(json.dumps({"node_id": self.node_id, "server": self.address}))
+        except OSError as exc:
+            log.warning("cannot save node id in %s: %s", self._node_file(), exc)
         log.info("registered as node %s (%s) at %s", self.node_id, self.name, self.address)
 
     def _heartbeat_body(self) -> wire.Heartbeat:

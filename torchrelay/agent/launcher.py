@@ -53,8 +53,11 @@ WORKER_MODULE = "torchrelay.agent.worker"
 # ---------------------------------------------------------------- pure: commands and env
 
 
-def worker_argv(entrypoint: Sequence[str]) -> list[str]:
+def worker_argv(entrypoint: Sequence[str], python: str | None = None) -> list[str]:
     """Arguments for ``python -m torchrelay.agent.worker`` that run ``entrypoint``.
+
+    A ``python``/``python3``/``python3.X`` the hook cannot host (``-c``, other flags) runs as
+    ``python`` (the agent's interpreter, as hosted scripts do) when that is given.
 
     ``["python", "train.py", "--lr", "1"]`` -> ``["train.py", "--lr", "1"]``;
     ``["python3", "-m", "pkg.mod", "x"]`` -> ``["-m", "pkg.mod", "x"]``;
@@ -74,7 +77,7 @@ def worker_argv(entrypoint: Sequence[str]) -> list[str]:
     if rest and not rest[0].startswith("-"):
         return rest
     # `python -c ...`, `python -O x.py`, bare `python`: not a script we can host; run as is
-    return ["--exec", *argv]
+    return ["--exec", python or argv[0], *argv[1:]]
 
 
 def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: str,
@@ -94,7 +97,7 @@ def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: st
         "--master-port", str(master_port),
         "--max-restarts", "0",
         "--shutdown-timeout", str(int(shutdown_timeout_s)),
-        "-m", WORKER_MODULE, *worker_argv(assignment.entrypoint),
+        "-m", WORKER_MODULE, *worker_argv(assignment.entrypoint, python),
     ]
 
 
@@ -419,6 +422,8 @@ class Launch:
             returncode = self._proc.poll()
             if returncode is None:
                 return None
+            # torchrun waits for its workers, unless it died itself: then end what it left
+            self._kill_leftovers(grace_s=2.0)
             self._status = self._finish(returncode)
             return self._status
 

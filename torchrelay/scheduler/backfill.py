@@ -123,7 +123,8 @@ def reserve(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray, ho
 def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], free: np.ndarray,
                     holdings: list[Holding], now: float, ready: np.ndarray) -> dict[str, float]:
     """Estimated start of each waiting job, in order, until one cannot be estimated."""
-    events = [(h.end, h.job_id, h.nodes, h.use) for h in holdings if h.end < math.inf]
+    # (end, job id, nodes, use, released in all: python floats for the cheap test below)
+    events = [(h.end, h.job_id, h.nodes, h.use, h.use.sum(axis=0).tolist()) for h in holdings if h.end < math.inf]
     heapq.heapify(events)
     avail = free.copy()
     clock = now
@@ -131,24 +132,31 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
     for job, tiers in waiting:
         masks = [cluster.eligible(alt, job.labels) & ready for tier in tiers for alt in tier]
         union = np.logical_or.reduce(masks)
-        smallest = np.min([np.asarray(alt.need) * job.workers for tier in tiers for alt in tier], axis=0)
-        pool = avail[union].sum(axis=0)
+        smallest = np.min([np.asarray(alt.need) * job.workers for tier in tiers for alt in tier], axis=0) - 1e-6
+        everywhere = avail.sum(axis=0).tolist()  # free on all nodes: bounds free on the eligible ones
+        pending: list[tuple[np.ndarray, np.ndarray]] = []
         while True:
-            # cheap test first: the eligible nodes together must hold the whole job
-            if np.all(pool + 1e-6 >= smallest):
-                choice = place_best(cluster, tiers, job, avail, ready)
-                if choice is not None:
-                    break
+            if all(everywhere[d] >= smallest[d] for d in range(3)):
+                if pending:  # apply the released resources in one go
+                    nodes = np.concatenate([n for n, _ in pending])
+                    use = np.concatenate([u for _, u in pending])
+                    avail += np.stack([np.bincount(nodes, weights=use[:, d], minlength=len(avail))
+                                       for d in range(3)], axis=1)
+                    pending.clear()
+                if np.all(avail[union].sum(axis=0) >= smallest):
+                    choice = place_best(cluster, tiers, job, avail, ready)
+                    if choice is not None:
+                        break
             if not events:
                 return out
             clock = max(clock, events[0][0])
             while events and events[0][0] <= clock:
-                _, _, nodes, use = heapq.heappop(events)
-                np.add.at(avail, nodes, use)
-                pool = pool + use[union[nodes]].sum(axis=0)
+                _, _, nodes, use, released = heapq.heappop(events)
+                pending.append((nodes, use))
+                everywhere = [a + b for a, b in zip(everywhere, released)]
         out[job.job_id] = clock
         nodes, use = use_of(choice)
         np.subtract.at(avail, nodes, use)
         if job.max_runtime_s is not None:
-            heapq.heappush(events, (clock + job.max_runtime_s, job.job_id, nodes, use))
+            heapq.heappush(events, (clock + job.max_runtime_s, job.job_id, nodes, use, use.sum(axis=0).tolist()))
     return out

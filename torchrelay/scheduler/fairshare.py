@@ -2,7 +2,8 @@
 
 Contract:
 - ``Accounts`` holds what each user uses now (cpus, gpus, memory, jobs), charged for running
-  jobs and for every job placed or granted in this cycle, refunded for preempted ones.
+  jobs and for every job placed or granted in this cycle. A preempted job is not refunded in
+  the cycle that preempts it: it runs until it has stopped.
 - ``share(user)``: the user's dominant share, the largest of used/total over cpus, gpus and
   memory of the ready nodes (Ghodsi et al., "Dominant Resource Fairness", NSDI 2011).
 - ``quota_problem(user, demand)``: None when the user may take ``demand`` more (cpus, gpus,
@@ -36,17 +37,16 @@ class Accounts:
 
     def _add(self, user: str, amount: np.ndarray, sign: int) -> None:
         used = self._used.setdefault(user, [0.0, 0.0, 0.0])
-        for dim in range(3):
-            used[dim] += sign * float(amount[dim])
+        cpus, gpus, memory = amount.tolist()
+        used[0] += sign * cpus
+        used[1] += sign * gpus
+        used[2] += sign * memory
         self._jobs[user] = self._jobs.get(user, 0) + sign
         inv = self._inv
         self._share[user] = max(used[0] * inv[0], used[1] * inv[1], used[2] * inv[2])
 
     def charge(self, user: str, amount: np.ndarray) -> None:
         self._add(user, amount, 1)
-
-    def refund(self, user: str, amount: np.ndarray) -> None:
-        self._add(user, amount, -1)
 
     def used(self, user: str) -> tuple[float, float, float, int]:
         cpus, gpus, memory = self._used.get(user, (0.0, 0.0, 0.0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from torchrelay.scheduler.cluster import Cluster, alternatives, usage
-from torchrelay.scheduler.placement import place_best, use_of
+from torchrelay.scheduler.placement import feasible, place_best, use_of
 from torchrelay.scheduler.types import Decisions, Placement, SchedulerInput
 
 
@@ -24,9 +24,13 @@ def schedule_fifo(inp: SchedulerInput) -> Decisions:
     everywhere = np.ones(len(cluster), dtype=bool)
     placements, waiting, blocked = [], {}, False
     order = sorted(inp.queue, key=lambda j: (-j.priority, j.submit_seq, j.job_id))
+    ever: dict[tuple, bool] = {}  # per job kind: could it fit the empty cluster?
     for job in order:
         tiers = alternatives(job, cluster)
-        if place_best(cluster, tiers, job, cluster.total, everywhere) is None:
+        kind = (job.shape, job.workers, job.workers_per_node, job.labels)
+        if kind not in ever:
+            ever[kind] = feasible(cluster, tiers, job, cluster.total, everywhere)
+        if not ever[kind]:
             waiting[job.job_id] = "unschedulable: does not fit this cluster even when it is empty"
             continue
         if blocked:

@@ -98,12 +98,15 @@ class _Cycle:
         self.holdings: dict[str, Holding] = {}
         self.free = cluster.total.copy()
         all_nodes, all_use = [], []
+        index = cluster.index
         for alloc in sorted(inp.running, key=lambda a: a.job_id):
-            on_cluster = [(cluster.index[n], w) for n, w in alloc.placement if n in cluster.index]
+            shape = alloc.shape
+            on_cluster = [(index[n], w) for n, w in alloc.placement if n in index]
             nodes = np.array([i for i, _ in on_cluster], dtype=np.int64)
-            per_worker = usage(alloc.shape, 1)
-            use = np.multiply.outer(np.array([w for _, w in on_cluster], dtype=np.float64), per_worker)
-            total = per_worker * sum(w for _, w in alloc.placement)
+            use = np.array([[shape.cpu * w, shape.gpu * w, shape.memory * w] for _, w in on_cluster],
+                           dtype=np.float64).reshape(-1, 3)
+            workers = sum(w for _, w in alloc.placement)
+            total = np.array([shape.cpu * workers, shape.gpu * workers, shape.memory * workers], dtype=np.float64)
             end = alloc.started_at + alloc.max_runtime_s if alloc.max_runtime_s is not None else math.inf
             self.holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
                                                   alloc.preempting, alloc.started_at, end, nodes, use, total)
@@ -116,6 +119,9 @@ class _Cycle:
         self.victims = VictimPool(list(self.holdings.values()), len(cluster))
         self.memo = _FitMemo()
         self.kinds: dict[tuple, _Kind] = {}
+        # waiting reasons by job kind, valid while ``version`` (bumped by every commit) is unchanged
+        self.outcomes: dict[tuple, tuple[int, str]] = {}
+        self.version = 0
         self.reservation: Reservation | None = None
         self.placements: list[Placement] = []
         self.preemptions: list[str] = []
@@ -175,6 +181,7 @@ class _Cycle:
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
         self.holdings[job.job_id] = holding
+        self.version += 1  # resources changed: outcomes remembered so far no longer hold
         self.accounts.charge(job.user, total)
         return holding
 
@@ -209,6 +216,14 @@ class _Cycle:
         size = kind.size
         reservation = self.reservation
         short = reservation is not None and reservation.allows_short(self.now, job.max_runtime_s)
+        lowest = self.victims.lowest_priority
+        may_preempt = lowest is not None and job.priority > lowest
+        outcome_key = (signature, size, short, job.priority if may_preempt else None)
+        if reservation is not None:
+            # Once the cluster is full most jobs meet a state seen before: reuse that outcome.
+            seen = self.outcomes.get(outcome_key)
+            if seen is not None and seen[0] == self.version:
+                return seen[1]
         if reservation is None or short:
             choice = self.try_place(job, tiers, (signature, "free"), size, self.free)
         elif self.memo.known_fail((signature, "long"), size):  # checked first: the view costs an array
@@ -219,8 +234,7 @@ class _Cycle:
             self.commit(job, choice, limits_extra=not short)
             self.placements.append(self.to_placement(job, choice))
             return None
-        lowest = self.victims.lowest_priority
-        if lowest is not None and job.priority > lowest:
+        if may_preempt:
             granted = self.preempt_for(job, tiers, (signature, "preempt", job.priority), size)
             if granted is not None:
                 return granted
@@ -235,8 +249,11 @@ class _Cycle:
             return f"{base}; first in line, reserved to start at {self.reservation.start:g}"
         if self.fits(job, tiers, (signature, "free"), size, self.free):
             when = "" if reservation.start is None else f", reserved to start at {reservation.start:g}"
-            return f"reservation: starting now would delay job {reservation.job_id}{when}"
-        return self.explain(job, kind, tiers, signature)
+            reason = f"reservation: starting now would delay job {reservation.job_id}{when}"
+        else:
+            reason = self.explain(job, kind, tiers, signature)
+        self.outcomes[outcome_key] = (self.version, reason)
+        return reason
 
     def explain(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
         """Why a job that does not fit the free resources waits: priority, gang or resources."""
@@ -268,7 +285,7 @@ class _Cycle:
             np.add.at(released, victim.nodes, victim.use)
             self.victims.remove(victim)
             del self.holdings[victim.job_id]
-            self.accounts.refund(victim.user, victim.total)
+            # no refund: the victim runs (and counts against its user's quota) until it stops
             if not victim.preempting:
                 self.preemptions.append(victim.job_id)
         # The job starts in a later cycle, once the victims have stopped; their resources are

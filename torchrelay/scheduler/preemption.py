@@ -38,11 +38,17 @@ class VictimPool:
         self._by_level: dict[int, np.ndarray] = {}
         self._on_node: dict[int, list[Holding]] = defaultdict(list)  # cost order
         self._removed: set[str] = set()
+        grouped: dict[tuple[bool, int], list[Holding]] = defaultdict(list)
         for holding in pool:
-            table = self._preempting if holding.preempting else self._by_level
-            np.add.at(table.setdefault(holding.priority, np.zeros((n_nodes, 3))), holding.nodes, holding.use)
-            for node in holding.nodes:
-                self._on_node[int(node)].append(holding)
+            grouped[(holding.preempting, holding.priority)].append(holding)
+            for node in holding.nodes.tolist():
+                self._on_node[node].append(holding)
+        for (preempting, priority), members in grouped.items():
+            nodes = np.concatenate([h.nodes for h in members])
+            use = np.concatenate([h.use for h in members])
+            table = self._preempting if preempting else self._by_level
+            table[priority] = np.stack([np.bincount(nodes, weights=use[:, d], minlength=n_nodes)
+                                        for d in range(3)], axis=1)
         # a job at this priority or below can never preempt anything in this cycle
         self.lowest_priority = min((h.priority for h in pool), default=None)
 

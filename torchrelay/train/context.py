@@ -53,7 +53,7 @@ class Context:
     backend: str | None = None
     job_id: str | None = None
     attempt: int = 0
-    strategy: Any = dataclasses.field(default_factory=DDPStrategy)
+    strategy: Strategy = dataclasses.field(default_factory=DDPStrategy)  # the spec's validated model
     checkpoint: CheckpointPolicy = dataclasses.field(default_factory=CheckpointPolicy)
     distributed: bool = False
 
@@ -146,6 +146,23 @@ def choose_backend(requested: str | None, cuda_devices: int, local_rank: int) ->
     return backend, device
 
 
+def collective_timeout(timeout_s: float | None, env_value: str | None) -> datetime.timedelta | None:
+    """The process group's timeout: ``timeout_s``, else ``RELAY_COLLECTIVE_TIMEOUT_S``, else torch's
+    default (None). Pure. Raises ``InvalidSpec`` for a value that is not a positive number."""
+    if timeout_s is None and env_value:
+        try:
+            timeout_s = float(env_value)
+        except ValueError:
+            raise InvalidSpec(f"RELAY_COLLECTIVE_TIMEOUT_S={env_value!r} is not a number of seconds") from None
+        if not timeout_s > 0:
+            raise InvalidSpec(f"RELAY_COLLECTIVE_TIMEOUT_S={env_value!r} must be > 0 seconds")
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidSpec(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    return datetime.timedelta(seconds=timeout_s)
+
+
 # ---------------------------------------------------------------- process-wide state
 
 _context: Context | None = None
@@ -190,13 +207,10 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
             raise InvalidSpec(f"WORLD_SIZE={ctx.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
                               "start the script with torchrun or as a torchrelay job")
         if has_rendezvous and "WORLD_SIZE" in os.environ:
-            if timeout_s is None and os.environ.get("RELAY_COLLECTIVE_TIMEOUT_S"):
-                timeout_s = float(os.environ["RELAY_COLLECTIVE_TIMEOUT_S"])
             kwargs: dict[str, Any] = {}
-            if timeout_s is not None:
-                if timeout_s <= 0:
-                    raise InvalidSpec(f"timeout_s={timeout_s!r} must be > 0 seconds")
-                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            timeout = collective_timeout(timeout_s, os.environ.get("RELAY_COLLECTIVE_TIMEOUT_S"))
+            if timeout is not None:
+                kwargs["timeout"] = timeout
             if ctx.device.type == "cuda":
                 kwargs["device_id"] = ctx.device
             dist.init_process_group(backend=chosen_backend, init_method="env://",

@@ -95,14 +95,26 @@ class MetricsWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Append every buffered line to the file now (one write). Blocks on the file only."""
+        """Append every buffered line to the file now, in one unbuffered write.
+
+        Blocks on the file only. Raises ``OSError`` (full disk …) keeping what did not reach the
+        file, so a later flush completes it.
+        """
         with self._file_lock:
             with self._lock:
                 lines, self._lines = self._lines, []
             if not lines or self.path is None:
                 return
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write("".join(lines))
+            data = "".join(lines).encode("ascii")  # json.dumps escapes everything else
+            written = 0
+            try:
+                with open(self.path, "ab", buffering=0) as fh:
+                    while written < len(data):
+                        written += fh.write(memoryview(data)[written:])
+            except OSError:
+                with self._lock:
+                    self._lines.insert(0, data[written:].decode("ascii"))
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -12,8 +12,10 @@ Contract:
 - If ``loss_fn`` and ``sample_target`` are given, the last block's time includes the loss.
 - ``measure_link(rank_a, rank_b)`` times point-to-point transfers between two ranks of the
   current process group (both ranks must call it; others may too and return at once).
-- Timings are real wall-clock measurements: blocking (CUDA is synchronised), run them when the
-  device is not shared with another job's training.
+- Timings use ``compute_clock(device)``: on a CPU computing in one thread it is that thread's
+  CPU time, which other processes sharing the cores distort far less than wall-clock time;
+  otherwise wall-clock time (CUDA synchronised). The runtime times its compute with the same
+  clock, so predictions and measurements compare like with like.
 """
 from __future__ import annotations
 
@@ -28,6 +30,13 @@ from torch import nn
 
 from torchrelay.train.pipeline.partition import BlockCost, Link
 from torchrelay.train.pipeline.meta import materialize_module
+
+
+def compute_clock(device: torch.device | str) -> Callable[[], float]:
+    """Seconds counter for compute on ``device`` (see the module docstring)."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def _sync(device: torch.device) -> None:
@@ -92,6 +101,7 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
     device = torch.device(device)
     x = sample.to(device)
     target = sample_target.to(device) if sample_target is not None else None
+    clock = compute_clock(device)
     costs = []
     for index, original in enumerate(blocks):
         on_meta = any(t.device.type == "meta" for t in
@@ -112,11 +122,11 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
         times = []
         for rep in range(warmup + repeats):
             _sync(device)
-            started = time.perf_counter()
+            started = clock()
             _fwd_bwd(block, x, grad_fn)
             _sync(device)
             if rep >= warmup:
-                times.append(time.perf_counter() - started)
+                times.append(clock() - started)
         params = [p for p in block.parameters() if p.requires_grad]
         param_bytes = 2 * sum(_bytes(p) for p in params)  # weights and their gradients
         if optimizer_factory is not None and params:

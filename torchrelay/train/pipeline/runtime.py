@@ -23,7 +23,6 @@ point-to-point messages are matched by tag (gloo); on NCCL ``prepare`` uses torc
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchrelay.errors import InvalidSpec
+from torchrelay.train.pipeline.profile import compute_clock
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.uint8, torch.bool)
@@ -84,6 +84,7 @@ class LeanPipeline:
         self._buffers: dict[tuple, tuple[list, list]] = {}  # header -> (inputs, grads)
         self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         self.last_busy_s = 0.0  # compute seconds (forward, loss, backward) of the last step
+        self._clock = compute_clock(device)  # the profiler's clock: like compares with like
 
     @property
     def is_first(self) -> bool:
@@ -149,7 +150,7 @@ class LeanPipeline:
         outputs: list = [None] * m_count
         sends = []
         total_loss = torch.zeros((), device=self.device)
-        busy = 0.0
+        busy, clock = 0.0, self._clock
         for kind, m in self.actions:
             if kind == "F":
                 if self.is_first:
@@ -161,15 +162,15 @@ class LeanPipeline:
                         act_recvs[m].wait()
                     x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
                 stage_inputs[m] = x
-                started = time.perf_counter()
+                started = clock()
                 out = self.module(x)
                 if self.is_last:
                     loss = self.loss_fn(out, target_chunks[m]) * (sizes[m] / batch)
                     total_loss += loss.detach()
                     outputs[m] = loss
-                    busy += time.perf_counter() - started
+                    busy += clock() - started
                 else:
-                    busy += time.perf_counter() - started
+                    busy += clock() - started
                     outputs[m] = out
                     send_buf = out.detach().contiguous()
                     if not known:
@@ -180,13 +181,13 @@ class LeanPipeline:
                                   send_buf))
             else:
                 if self.is_last:
-                    started = time.perf_counter()
+                    started = clock()
                     outputs[m].backward()
                 else:
                     grad_recvs[m].wait()
-                    started = time.perf_counter()
+                    started = clock()
                     torch.autograd.backward(outputs[m], grad_bufs[m])
-                busy += time.perf_counter() - started
+                busy += clock() - started
                 if not self.is_first:
                     grad = stage_inputs[m].grad
                     if grad is None:

@@ -113,6 +113,15 @@ class _ShardLink:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.generation, self.pid = generation, pid
 
+    def _reconnect(self) -> None:
+        """Try the incarnation we knew (the connection alone may have broken); if it
+        refuses, wait for the supervisor to publish a newer one."""
+        self.reconnects += 1
+        try:
+            self.connect(max(0, self.generation - 1))
+        except OSError:
+            self.connect(self.generation)
+
     def close(self) -> None:
         if self.sock is not None:
             try:
@@ -129,8 +138,7 @@ class _ShardLink:
         while True:
             try:
                 if self.sock is None:
-                    self.connect(self.generation)
-                    self.reconnects += 1
+                    self._reconnect()
                     if hello is not None:
                         self._exchange(hello, [], None)
                 return self._exchange(header, payloads, reply_into)
@@ -139,8 +147,8 @@ class _ShardLink:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"parameter-server shard {self.index} unreachable for "
                                        f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
-                # loop: connect() blocks in lookup() until the supervisor publishes a newer
-                # generation of this shard than the one that broke
+                # loop: _reconnect() blocks in lookup() until the supervisor publishes a
+                # newer generation of this shard than the one that broke
 
     def _exchange(self, header: P.Header, payloads: list[Any], reply_into: memoryview | None) -> tuple[P.Header, bytes]:
         assert self.sock is not None

@@ -74,8 +74,10 @@ class ShardDirectory:
     def publish_plan(self, plan_json: str) -> None:
         self.store.set(self._key("plan"), plan_json)
 
-    def read_plan(self) -> str:
-        self.store.wait([self._key("plan")], datetime.timedelta(seconds=self.timeout_s))
+    def read_plan(self, timeout_s: float = 1800.0) -> str:
+        """The plan worker 0 published; blocks until it exists (servers start before the
+        workers have built their models)."""
+        self.store.wait([self._key("plan")], datetime.timedelta(seconds=timeout_s))
         return self.store.get(self._key("plan")).decode()
 
     def publish(self, shard: int, address: str, pid: int) -> int:

@@ -1,0 +1,128 @@
+"""The char LM example: block structure, causality, reproducible batches, and a short real run."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CHARLM = REPO / "examples" / "charlm"
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+sys.path.insert(0, str(CHARLM))
+
+from data import CharCorpus  # noqa: E402
+from model import Block, CharLM, CharLMConfig, Embedding, Head, build_blocks, lm_loss  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 40
+
+
+def test_model_is_a_flat_list_of_blocks_a_pipeline_can_cut():
+    cfg = CharLMConfig(vocab_size=30, context=16, d_model=32, n_heads=4, n_layers=3)
+    blocks = build_blocks(cfg)
+    assert [type(b) for b in blocks] == [Embedding, Block, Block, Block, Head]
+    torch.manual_seed(0)
+    model = CharLM(cfg)
+    ids = torch.randint(30, (2, 16))
+    x = ids
+    for block in model:  # running the blocks one by one is running the model
+        x = block(x)
+    assert x.shape == (2, 16, 30)
+    assert torch.allclose(x, model(ids))
+    assert not list(model.buffers()), "buffers would make DDP broadcast every step"
+
+
+def test_model_is_causal():
+    torch.manual_seed(0)
+    model = CharLM(CharLMConfig(vocab_size=30, context=16, d_model=32, n_heads=4, n_layers=2)).eval()
+    ids = torch.randint(30, (1, 16))
+    changed = ids.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 30
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[0, :10], model(changed)[0, :10], atol=1e-6)
+        assert not torch.allclose(model(ids)[0, 10:], model(changed)[0, 10:])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(vocab_size=30, d_model=30, n_heads=4), "d_model=30 must be a multiple of n_heads=4"),
+    (dict(vocab_size=0), "vocab_size=0"),
+])
+def test_config_refuses_bad_shapes_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CharLMConfig(**kwargs)
+
+
+def test_too_long_input_is_refused_with_the_context():
+    model = CharLM(CharLMConfig(vocab_size=30, context=8, d_model=16, n_heads=2, n_layers=1))
+    with pytest.raises(ValueError, match="longer than the model's context 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_batches_are_reproducible_per_step_and_rank():
+    corpus = CharCorpus.from_text(TEXT)
+    assert corpus.decode(corpus.train[:9].tolist()) == "the quick"
+    a = corpus.train_batch(5, 0, batch_size=4, context=8)
+    assert torch.equal(a[0], corpus.train_batch(5, 0, batch_size=4, context=8)[0])
+    assert not torch.equal(a[0], corpus.train_batch(5, 1, batch_size=4, context=8)[0])
+    assert not torch.equal(a[0], corpus.train_batch(6, 0, batch_size=4, context=8)[0])
+    assert torch.equal(a[0][:, 1:], a[1][:, :-1]), "targets are the inputs shifted by one"
+    val = corpus.val_batches(batch_size=4, context=8, batches=3)
+    assert len(val) == 3 and val[0][0].shape == (4, 8)
+
+
+def test_missing_data_file_is_named():
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        CharCorpus.from_file("nope.txt")
+
+
+def test_a_few_steps_lower_the_loss():
+    corpus = CharCorpus.from_text(TEXT)
+    torch.manual_seed(0)
+    model = CharLM(CharLMConfig(vocab_size=corpus.vocab_size, context=16, d_model=32, n_heads=4, n_layers=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    val = corpus.val_batches(batch_size=8, context=16, batches=2)
+    before = sum(float(lm_loss(model(x), y)) for x, y in val)
+    for step in range(1, 31):
+        x, y = corpus.train_batch(step, 0, batch_size=8, context=16)
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    after = sum(float(lm_loss(model(x), y)) for x, y in val)
+    assert after < 0.8 * before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+@pytest.mark.parametrize("strategy", ['{"kind": "local_sgd", "every": 4}', '{"kind": "final_average"}'])
+def test_train_script_runs_under_torchrun_with_a_strategy(tmp_path, strategy):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RELAY_STRATEGY": strategy, "RELAY_OUTPUT_DIR": str(tmp_path),
+           "RELAY_METRICS_DIR": str(tmp_path / "metrics")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "train.py", "--data", str(SHAKESPEARE), "--steps", "24",
+           "--eval-every", "12", "--val-batches", "2"]
+    proc = subprocess.Popen(cmd, cwd=CHARLM, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "final val_loss=" in out
+    metrics = (tmp_path / "metrics").rglob("*")
+    text = "".join(p.read_text() for p in metrics if p.is_file())
+    assert "bytes_sent" in text
