@@ -121,7 +121,7 @@ def part_c(nodes_n: int, jobs_n: int, gap_s: float, seed: int) -> dict:
             "mean_wait_s": round(ours.mean_wait, 1), "fifo_mean_wait_s": round(fifo.mean_wait, 1)}
 
 
-def part_b(submits: int, noop_jobs: int, threads: int = 8) -> dict:
+def part_b(submits: int, noop_jobs: int, threads: int = 8, timeout_s: float = 300.0) -> dict:
     """Submissions/s against a server with no agents (every job stays queued, so only acceptance
     is timed), then no-op jobs/s on an embedded cluster of 2 agents. Real processes, real HTTP."""
     if importlib.util.find_spec("torchrelay.server.app") is None:
@@ -170,18 +170,20 @@ def part_b(submits: int, noop_jobs: int, threads: int = 8) -> dict:
                 started = time.perf_counter()
                 ids = [client.submit(spec, upload=False).id for _ in range(noop_jobs)]
                 done_states = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+                wanted = set(ids)
                 while True:
-                    jobs = [j for j in client.jobs(limit=10000) if j.id in set(ids)]
-                    if all(j.state in done_states for j in jobs):
+                    jobs = [j for j in client.jobs(limit=10000) if j.id in wanted]
+                    finished = [j for j in jobs if j.state in done_states]
+                    if len(finished) == len(ids) or time.perf_counter() - started > timeout_s:
                         break
-                    if time.perf_counter() - started > 600:
-                        raise TimeoutError(f"{noop_jobs} no-op jobs did not finish in 600 s")
                     time.sleep(0.05)
                 elapsed = time.perf_counter() - started
-                failed = [j.id for j in jobs if j.state != JobState.SUCCEEDED]
-            out["noop_jobs_per_s"] = round(noop_jobs / elapsed, 2)
-            print(f"(b) no-op jobs: {noop_jobs} on 2 agents in {elapsed:.2f} s: {out['noop_jobs_per_s']:.2f}/s "
-                  f"(goal >= 50/s); not succeeded: {failed or 'none'}")
+                failed = [j.id for j in finished if j.state != JobState.SUCCEEDED]
+                nodes = {n.name: n.state for n in client.nodes()}
+            out["noop_jobs_per_s"] = round(len(finished) / elapsed, 2)
+            late = "" if len(finished) == len(ids) else f" (TIMED OUT after {timeout_s:g} s; nodes: {nodes})"
+            print(f"(b) no-op jobs: {len(finished)} of {noop_jobs} finished on 2 agents in {elapsed:.2f} s: "
+                  f"{out['noop_jobs_per_s']:.2f}/s (goal >= 50/s); not succeeded: {failed or 'none'}{late}")
         finally:
             cluster.stop()
     return out
@@ -196,8 +198,8 @@ def main() -> None:
     parser.add_argument("--trace-jobs", type=int, default=600)
     parser.add_argument("--trace-gap", type=float, default=4.0, help="mean seconds between arrivals in (c)")
     parser.add_argument("--server-part", action="store_true", help="also run (b) against the real server")
-    parser.add_argument("--submits", type=int, default=2000, help="submissions timed in (b)")
-    parser.add_argument("--noop-jobs", type=int, default=40, help="no-op jobs timed in (b)")
+    parser.add_argument("--submits", type=int, default=1000, help="submissions timed in (b)")
+    parser.add_argument("--noop-jobs", type=int, default=20, help="no-op jobs timed in (b)")
     parser.add_argument("--skip-a", action="store_true", help="skip part (a)")
     parser.add_argument("--skip-c", action="store_true", help="skip part (c)")
     parser.add_argument("--seed", type=int, default=0)

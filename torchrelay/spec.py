@@ -179,6 +179,9 @@ class JobSpec(_Strict):
     preemptible: bool = True
     max_runtime_s: float | None = Field(default=None, gt=0)
     labels: dict[str, str] = Field(default_factory=dict, description="node labels required")
+    hang_timeout_s: float = Field(default=60.0, ge=0, description="restart when no metric arrives for this "
+                                  "long after the first one (0: never)")
+    stop_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM to SIGKILL when stopping workers")
 
     @field_validator("entrypoint")
     @classmethod

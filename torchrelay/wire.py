@@ -226,6 +226,7 @@ class LaunchAssignment(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     store_url: str
     job_store_prefix: str
+    stop_grace_s: float = Field(default=30.0, description="SIGTERM, then SIGKILL after this long")
 
 
 class HeartbeatReply(_Model):

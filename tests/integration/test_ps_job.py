@@ -4,7 +4,9 @@ Configured by the JSON in ``PS_JOB``: ``strategy`` (a parameter_server spec), ``
 ("digits": train an MLP on sklearn digits and report test accuracy; "equiv": fixed batches
 for the sync == single-process check), ``steps``/``epochs``, ``batch``, ``out`` (directory for
 ``rank<N>.json`` / ``rank<N>.pt``) and test hooks: ``slow`` {rank, sleep_s, pause_after,
-pause_s, hold_until_peer_steps} and ``pause_at`` {rank, step} (wait for store key "resume").
+pause_s, hold_until_peer_steps}, ``pause_at`` {rank, step} (wait for store key "resume") and
+``kill_shard`` {rank, step, shard} (that worker SIGKILLs the shard's process, whose pid the
+supervisor published, once the other worker waits inside that round).
 Rank/world come from torchrun (``--torchrun``: init_process_group and the default store) or
 from RANK/WORLD_SIZE with TORCHRELAY_PS_STORE.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import types
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from torchrelay.spec import ParameterServerStrategy
 import torchrelay.train.ps as ps
-from torchrelay.train.ps.rendezvous import resolve_store
+from torchrelay.train.ps.rendezvous import ShardDirectory, resolve_store
 
 
 def make_model(hidden: int) -> torch.nn.Module:
@@ -85,10 +88,19 @@ def main() -> None:
     else:
         per_epoch = list(range(rank * B, len(Xtr) - workers * B + 1, workers * B))
         batches = per_epoch * cfg.get("epochs", 5)
+    kill = cfg.get("kill_shard") or {}
+    directory = ShardDirectory(store)
     for step, start in enumerate(batches):
         if pause.get("rank") == rank and pause.get("step") == step:
             store.set("paused", "1")
             store.wait(["resume"])
+        if kill.get("rank") == rank and kill.get("step") == step:
+            # the other worker has finished the previous round and now waits in this one
+            while store.add(f"progress{1 - rank}", 0) < step:
+                time.sleep(0.01)
+            _, _, _, pid = directory.lookup(kill["shard"])
+            os.kill(pid, signal.SIGKILL)
+            directory.lookup(kill["shard"], newer_than=1)  # its supervisor restarted it
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(Xtr[start:start + B]), ytr[start:start + B])
         loss.backward()
@@ -111,7 +123,8 @@ def main() -> None:
         torch.save(opt.state_dict(), os.path.join(out, "ps_state.pt"))
     opt.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "acc": acc, "steps": len(batches), **metrics}, f)
+        json.dump({"rank": rank, "acc": acc, "steps": len(batches),
+                   "generations": [directory.lookup(i)[0] for i in range(strategy.servers)], **metrics}, f)
     if torchrun:
         gc.collect()
         dist.destroy_process_group()

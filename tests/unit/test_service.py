@@ -116,7 +116,7 @@ def test_cancel_queued_and_running(svc):
     running = svc.submit(spec(workers=1), None, None)
     queued = svc.submit(spec(workers=1), None, None)
     svc.tick()
-    assert svc.get_job(queued.id).waiting_reason.startswith("resources")
+    assert svc.get_job(queued.id).waiting_reason  # says why it waits
     assert svc.cancel(queued.id).state == JobState.CANCELLED
     assert svc.cancel(queued.id).state == JobState.CANCELLED  # idempotent
     (launch,) = launches_of(svc, n1)
@@ -173,7 +173,7 @@ def test_lost_node_fails_its_attempt_and_restart_goes_elsewhere(svc):
     assert {n.name: n.state for n in svc.list_nodes()} == {"a": "LOST", "b": "READY"}
     svc.tick()
     info = svc.get_job(job.id)
-    assert info.restarts == 1 and "lost" in info.restart_reasons[0].reason
+    assert info.restarts == 0 and "lost" in info.restart_reasons[0].reason  # not the job's fault
     assert launches_of(svc, n2)[0].attempt == 2
 
 
@@ -217,3 +217,45 @@ def test_state_survives_a_new_service_on_the_same_file(tmp_path):
     b = ClusterService(url, store)
     assert [(j.id, j.state) for j in b.list_jobs()] == before and sorted(ids) == sorted(x for x, _ in before)
     b.stop()
+
+
+def test_no_progress_for_hang_timeout_restarts_the_attempt(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, max_restarts=1, hang_timeout_s=30), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    svc.tick()
+    assert launches_of(svc, n1)[0].desired == "run"  # no metric yet: never counted as hung
+    svc.ingest_metrics(job.id, MetricBatch(launch_id=launch.launch_id, records=[
+        MetricRecord(rank=0, seq=0, step=1, time=1.0, values={"loss": 1.0})]))
+    svc.clock_ref.now += 20
+    svc.heartbeat(n1, Heartbeat(launches=[LaunchReport(launch_id=launch.launch_id, state="running")]))
+    svc.tick()
+    assert launches_of(svc, n1)[0].desired == "run"
+    svc.clock_ref.now += 11
+    svc.heartbeat(n1, Heartbeat(launches=[LaunchReport(launch_id=launch.launch_id, state="running")]))
+    svc.tick()
+    (stopping,) = launches_of(svc, n1)
+    assert stopping.desired == "stop" and "no progress for 30 s" in stopping.stop_reason
+    svc.launch_status(launch.launch_id, LaunchStatus(state="exited", succeeded=False, stopped=True,
+                                                     ranks=[RankExit(rank=0, signal=9)]))
+    info = svc.get_job(job.id)
+    assert info.state == JobState.RESTARTING and info.restarts == 1
+    assert "no progress" in info.restart_reasons[0].reason
+
+
+def test_lost_node_restart_is_not_counted(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, max_restarts=0), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    n2 = add_node(svc, "b")
+    svc.clock_ref.now += 11
+    svc.heartbeat(n2, Heartbeat())
+    svc.tick()
+    svc.tick()
+    info = svc.get_job(job.id)
+    assert info.state == JobState.RESTARTING and info.restarts == 0
+    assert launches_of(svc, n2)[0].attempt == 2

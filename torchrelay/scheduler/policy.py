@@ -62,28 +62,46 @@ class _FitMemo:
 
 
 class _Kind:
-    """What every job of one kind (shape, gang form, labels) shares in a cycle, computed once."""
+    """What every job of one kind (shape, gang form, labels) shares in a cycle, computed once;
+    the parts only some jobs need are computed on first use."""
 
-    __slots__ = ("index", "problem", "tiers", "ever", "initially", "description", "size", "one_worker",
-                 "demands")
+    __slots__ = ("index", "job", "problem", "tiers", "ever", "initially", "size", "_description",
+                 "_one_worker", "_demands")
 
     def __init__(self, index: int, job: QueuedJob, cycle: "_Cycle") -> None:
         self.index = index
+        self.job = job
         self.problem = job_problem(replace(job, max_runtime_s=None))  # the runtime is checked per job
         self.size = job.nodes if job.workers_per_node else job.workers
-        self.description = _describe(job)
-        if self.problem is not None:
-            return
-        cluster = cycle.cluster
-        self.tiers = alternatives(job, cluster)
-        everywhere = np.ones(len(cluster), dtype=bool)
-        self.ever = feasible(cluster, self.tiers, job, cluster.total, everywhere)
-        self.initially: bool | None = None  # computed on first need
-        self.one_worker = QueuedJob(job.job_id, job.user, job.priority, job.submit_seq,
-                                    job.workers_per_node or 1, job.shape,
-                                    workers_per_node=job.workers_per_node,
-                                    nodes=1 if job.workers_per_node else None, labels=job.labels)
-        self.demands = [[usage(alt.shape, job.workers) for alt in tier] for tier in self.tiers]
+        self._description = self._one_worker = self._demands = None
+        self.initially: bool | None = None
+        if self.problem is None:
+            self.tiers = cycle.tiers_for(job.shape)
+            self.ever = cycle.fits_ever(job, self.tiers, self.size)
+
+    @property
+    def description(self) -> str:
+        if self._description is None:
+            self._description = _describe(self.job)
+        return self._description
+
+    @property
+    def one_worker(self) -> QueuedJob:
+        """The same kind with one worker (one node of ``workers_per_node``): "would any fit?"."""
+        if self._one_worker is None:
+            job = self.job
+            self._one_worker = QueuedJob(job.job_id, job.user, job.priority, job.submit_seq,
+                                         job.workers_per_node or 1, job.shape,
+                                         workers_per_node=job.workers_per_node,
+                                         nodes=1 if job.workers_per_node else None, labels=job.labels)
+        return self._one_worker
+
+    @property
+    def demands(self) -> list[list[np.ndarray]]:
+        """Per alternative, what the whole job takes (for quotas)."""
+        if self._demands is None:
+            self._demands = [[usage(alt.shape, self.job.workers) for alt in tier] for tier in self.tiers]
+        return self._demands
 
 
 class _Cycle:
@@ -97,28 +115,35 @@ class _Cycle:
         self.accounts = Accounts(cluster.total[cluster.ready].sum(axis=0), self.quotas)
         self.holdings: dict[str, Holding] = {}
         self.free = cluster.total.copy()
-        all_nodes, all_use = [], []
         index = cluster.index
-        for alloc in sorted(inp.running, key=lambda a: a.job_id):
+        allocs = sorted(inp.running, key=lambda a: a.job_id)
+        rows_nodes, rows_use, bounds = [], [], [0]
+        for alloc in allocs:
             shape = alloc.shape
-            on_cluster = [(index[n], w) for n, w in alloc.placement if n in index]
-            nodes = np.array([i for i, _ in on_cluster], dtype=np.int64)
-            use = np.array([[shape.cpu * w, shape.gpu * w, shape.memory * w] for _, w in on_cluster],
-                           dtype=np.float64).reshape(-1, 3)
+            for node_id, workers in alloc.placement:
+                if node_id in index:
+                    rows_nodes.append(index[node_id])
+                    rows_use.append((shape.cpu * workers, shape.gpu * workers, shape.memory * workers))
+            bounds.append(len(rows_nodes))
+        all_nodes = np.array(rows_nodes, dtype=np.int64)
+        all_use = np.array(rows_use, dtype=np.float64).reshape(-1, 3)
+        for k, alloc in enumerate(allocs):
+            shape = alloc.shape
             workers = sum(w for _, w in alloc.placement)
             total = np.array([shape.cpu * workers, shape.gpu * workers, shape.memory * workers], dtype=np.float64)
             end = alloc.started_at + alloc.max_runtime_s if alloc.max_runtime_s is not None else math.inf
+            low, high = bounds[k], bounds[k + 1]
             self.holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
-                                                  alloc.preempting, alloc.started_at, end, nodes, use, total)
-            all_nodes.append(nodes)
-            all_use.append(use)
+                                                  alloc.preempting, alloc.started_at, end, all_nodes[low:high],
+                                                  all_use[low:high], total)
             self.accounts.charge(alloc.user, total)
-        if all_nodes:
-            self.free -= _per_node(np.concatenate(all_nodes), np.concatenate(all_use), len(cluster))
+        self.free -= _per_node(all_nodes, all_use, len(cluster))
         self.initial_free = self.free.copy()
         self.victims = VictimPool(list(self.holdings.values()), len(cluster))
         self.memo = _FitMemo()
         self.kinds: dict[tuple, _Kind] = {}
+        self.tiers_by_shape: dict[object, Tiers] = {}
+        self.ever_bounds: dict[tuple, tuple[float, float]] = {}
         # waiting reasons by job kind, valid while ``version`` (bumped by every commit) is unchanged
         self.outcomes: dict[tuple, tuple[int, str]] = {}
         self.version = 0
@@ -130,6 +155,27 @@ class _Cycle:
         self.tiers_of: dict[str, Tiers] = {}
 
     # ------------------------------------------------------------------ helpers
+
+    def tiers_for(self, shape) -> Tiers:
+        found = self.tiers_by_shape.get(shape)
+        if found is None:
+            probe = QueuedJob("", "", 0, 0, 1, shape)
+            found = self.tiers_by_shape[shape] = alternatives(probe, self.cluster)
+        return found
+
+    def fits_ever(self, job: QueuedJob, tiers: Tiers, size: int) -> bool:
+        """Whether the kind fits the empty cluster; monotone in the gang size, so remembered as
+        the largest size known to fit and the smallest known not to."""
+        key = (tiers, job.labels, job.workers_per_node)
+        fits_up_to, fails_from = self.ever_bounds.get(key, (0, math.inf))
+        if size <= fits_up_to:
+            return True
+        if size >= fails_from:
+            return False
+        everywhere = np.ones(len(self.cluster), dtype=bool)
+        ok = feasible(self.cluster, tiers, job, self.cluster.total, everywhere)
+        self.ever_bounds[key] = (max(fits_up_to, size), fails_from) if ok else (fits_up_to, min(fails_from, size))
+        return ok
 
     def kind(self, job: QueuedJob) -> _Kind:
         key = (job.shape, job.workers, job.workers_per_node, job.nodes, job.labels)
@@ -204,7 +250,8 @@ class _Cycle:
         if problem is not None:
             return f"unschedulable: {problem}"
         if not kind.ever:
-            return f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster even when it is empty"
+            return (f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster "
+                    f"even when it is empty")
         if job.user in self.quotas:
             tiers, over = self.within_quota(job, kind)
             if not tiers:

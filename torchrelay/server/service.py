@@ -87,8 +87,14 @@ class ClusterService:
     # ------------------------------------------------------------ background loop
 
     def start(self) -> None:
-        """Run ``tick`` in a daemon thread until ``stop``. Idempotent."""
+        """Run ``tick`` in a daemon thread until ``stop``. Idempotent.
+
+        Every READY node gets a fresh heartbeat timeout first: after a server restart its
+        agent needs that long to find the server again before the node counts as LOST."""
         if self._thread is None:
+            with self._lock, self._sessions.begin() as s:
+                for node in s.scalars(select(NodeRow).where(NodeRow.state == "READY")):
+                    node.last_seen = max(node.last_seen, self.clock())
             self._thread = threading.Thread(target=self._loop, name="relay-scheduler", daemon=True)
             self._thread.start()
 
@@ -117,6 +123,7 @@ class ClusterService:
         """One control-loop step: mark lost nodes, then schedule. Idempotent."""
         with self._lock, self._sessions.begin() as s:
             self._mark_lost_nodes(s)
+            self._check_progress(s)
             self._schedule(s)
 
     # ------------------------------------------------------------ jobs
@@ -343,6 +350,8 @@ class ClusterService:
                     cursor.last_seq = fresh[-1].seq
                     s.merge(cursor)
                     added += len(fresh)
+            if added and any(self._live_launches(s, row)):
+                row.last_progress_at = self.clock()
             if latest is not None:
                 row.last_metrics = {**(row.last_metrics or {}), **latest.values, "step": latest.step,
                                     "time": latest.time}
@@ -409,12 +418,13 @@ class ClusterService:
                 launch.desired, launch.stop_reason = "stop", reason
                 self.notifier.bump(f"node:{launch.node_id}")
 
-    def _launch_exited(self, s: Session, launch: LaunchRow, status: LaunchStatus) -> None:
+    def _launch_exited(self, s: Session, launch: LaunchRow, status: LaunchStatus, infra: bool = False) -> None:
         launch.state = "exited"
         launch.ranks = [r.model_dump() for r in status.ranks]
         launch.succeeded = bool(status.succeeded)
         launch.stopped = status.stopped or (launch.desired == "stop" and not status.succeeded)
         launch.message = status.message
+        launch.infra = infra
         self.notifier.bump(f"node:{launch.node_id}")
         self._kick()
         self._evaluate(s, s.get(JobRow, launch.job_seq))
@@ -442,13 +452,20 @@ class ClusterService:
             return
         failed = [x for x in launches if x.state == "exited" and not x.succeeded]
         if failed:
-            failure = self._failure_of(s, row, failed)
+            if row.hung_attempt == row.attempt and row.failure:
+                failure = FailureInfo.model_validate(row.failure)
+            else:
+                failure = self._failure_of(s, row, failed)
             row.failure = failure.model_dump()
             self._stop_launches(s, row, f"attempt {row.attempt} failed: {failure.reason}")
             if not all_exited:
                 return
             spec = JobSpec.parse(row.spec)
-            if row.restarts < spec.max_restarts:
+            if all(x.infra for x in failed):
+                row.restart_reasons = [*(row.restart_reasons or []), failure.model_dump()]
+                self._set_state(s, row, JobState.RESTARTING,
+                                f"{failure.reason}; restarting elsewhere (not counted against max_restarts)")
+            elif row.restarts < spec.max_restarts:
                 row.restarts += 1
                 row.restart_reasons = [*(row.restart_reasons or []), failure.model_dump()]
                 self._set_state(s, row, JobState.RESTARTING,
@@ -500,7 +517,24 @@ class ClusterService:
                                                              LaunchRow.state != "exited")):
                 self._launch_exited(s, launch, LaunchStatus(
                     state="exited", succeeded=False,
-                    message=f"node {node.name} lost (no heartbeat for {self.heartbeat_timeout_s:g} s)"))
+                    message=f"node {node.name} lost (no heartbeat for {self.heartbeat_timeout_s:g} s)"), infra=True)
+
+    def _check_progress(self, s: Session) -> None:
+        """A RUNNING job whose metrics stopped for ``hang_timeout_s`` is hung (e.g. a rank stopped
+        inside a collective): its attempt is failed and stopped, and restarts as any failure does."""
+        now = self.clock()
+        for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value,
+                                                  JobRow.last_progress_at.is_not(None))):
+            timeout = JobSpec.parse(row.spec).hang_timeout_s
+            if not timeout or now - row.last_progress_at <= timeout:
+                continue
+            row.last_progress_at = None
+            self._stop_launches(s, row, f"no progress for {timeout:g} s (hung worker?)")
+            s.add(EventRow(job_seq=row.seq, time=now, state=row.state,
+                           message=f"no metric for {timeout:g} s: stopping attempt {row.attempt}"))
+            row.failure = FailureInfo(reason=f"no progress for {timeout:g} s (hung worker?)",
+                                      attempt=row.attempt).model_dump()
+            row.hung_attempt = row.attempt
 
     # ------------------------------------------------------------ internals: scheduling
 
@@ -541,6 +575,7 @@ class ClusterService:
                nodes: dict[str, NodeRow]) -> None:
         row.attempt += 1
         row.waiting_reason = None
+        row.last_progress_at = None
         world = sum(n for _, n in placement.placement)
         offset = 0
         for node_rank, (node_id, nproc) in enumerate(placement.placement):
@@ -575,7 +610,7 @@ class ClusterService:
         env["RELAY_WORKERS"] = str(spec.workers)
         return LaunchAssignment(
             launch_id=launch.id, job_id=row.id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
-            stop_reason=launch.stop_reason, node_rank=launch.node_rank, nnodes=launch.nnodes,
+            stop_reason=launch.stop_reason, stop_grace_s=spec.stop_grace_s, node_rank=launch.node_rank, nnodes=launch.nnodes,
             nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
             master_addr=head_node.address if head_node else None,
             master_port=head.master_port if head else None,

@@ -39,6 +39,9 @@ class JobRow(Base):
     last_metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     # set when the current attempt must be torn down and the job go back to QUEUED afterwards
     requeue: Mapped[bool] = mapped_column(Boolean, default=False)
+    # server time of the last metric of the current attempt (hang detection)
+    last_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    hung_attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     @property
     def id(self) -> str:
@@ -93,6 +96,8 @@ class LaunchRow(Base):
     succeeded: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     message: Mapped[str] = mapped_column(Text, default="")
+    # failed for a reason outside the job (its node was lost): a restart does not count
+    infra: Mapped[bool] = mapped_column(Boolean, default=False)
 
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 

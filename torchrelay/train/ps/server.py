@@ -3,7 +3,7 @@
 Contract:
 - ``ShardState`` is everything a shard knows that must outlive it: parameters, optimizer
   buffers (momentum, or Adam's two moments and step counts), version, every worker's clock
-  and done flag. ``ShardState.allocate(..., backing_dir)`` maps it from files (/dev/shm) so a
+  and done flag. ``ShardState.allocate(..., files)`` maps it from files (/dev/shm) so a
   supervisor can restart a crashed shard process on the very same state.
 - ``ShardServer(shard, state, ...)`` binds ``host`` on port 0 (``.port``), and
   ``serve_forever()`` serves one thread per connection until every worker has sent DONE
@@ -26,6 +26,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -66,24 +67,27 @@ class ShardState:
     steps: torch.Tensor                  # float32 [segments]: Adam's per-tensor step counts
     meta: torch.Tensor                   # int64 [3 + 2 * workers]: version, initialised, token, clocks, done
 
+    @staticmethod
+    def sizes(shard: ShardPlan, buffer_names: tuple[str, ...], workers: int) -> dict[str, tuple[int, torch.dtype]]:
+        """Element count and dtype of every state tensor, by name."""
+        out = {"params": (shard.nbytes, torch.uint8), "steps": (len(shard.segments), torch.float32),
+               "meta": (_META_FIXED + 2 * workers, torch.int64)}
+        out.update({f"buffer{i}": (shard.nbytes, torch.uint8) for i in range(len(buffer_names))})
+        return out
+
     @classmethod
     def allocate(cls, shard: ShardPlan, buffer_names: tuple[str, ...], workers: int,
-                 backing_dir: str | None = None) -> "ShardState":
-        """Zeroed state; with ``backing_dir`` every tensor is a shared mapping of a file
-        there, so another process (a restarted shard) can open the same state."""
-        sizes = {"params": (shard.nbytes, torch.uint8), "steps": (len(shard.segments), torch.float32),
-                 "meta": (_META_FIXED + 2 * workers, torch.int64)}
-        sizes.update({f"buffer{i}": (shard.nbytes, torch.uint8) for i in range(len(buffer_names))})
+                 files: dict[str, str] | None = None) -> "ShardState":
+        """Zeroed state in private memory; with ``files`` (name -> path of a file of the
+        right size, see ``sizes``) every tensor is a shared mapping of that file instead, so
+        a restarted shard process maps the very same state."""
+        sizes = cls.sizes(shard, buffer_names, workers)
 
         def make(name: str) -> torch.Tensor:
             count, dtype = sizes[name]
-            if backing_dir is None or count == 0:
+            if files is None or count == 0:
                 return torch.zeros(count, dtype=dtype)
-            path = os.path.join(backing_dir, name)
-            if not os.path.exists(path):
-                with open(path, "wb") as f:
-                    f.truncate(count * dtype.itemsize)
-            return torch.from_file(path, shared=True, size=count, dtype=dtype)
+            return torch.from_file(files[name], shared=True, size=count, dtype=dtype)
 
         return cls(params=make("params"), buffers=[make(f"buffer{i}") for i in range(len(buffer_names))],
                    steps=make("steps"), meta=make("meta"))
@@ -110,6 +114,7 @@ class ShardServer:
         self._waiting = 0                   # requests held for a round or the ssp bound
         self._cond = threading.Condition()
         self._stopping = False
+        self._connections: set[socket.socket] = set()
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.2)
         self.host, self.port = host, self._listener.getsockname()[1]
@@ -172,8 +177,12 @@ class ShardServer:
     # ------------------------------------------------------------ serving
 
     def serve_forever(self) -> None:
-        """Accept and serve until all workers are done or ``stop()``. Blocks."""
-        threads = []
+        """Accept and serve until all workers are done or ``stop()``. Blocks.
+
+        After the last DONE it waits (up to 30 s) for every connection to finish its reply
+        and be closed by its worker, so no worker loses the answer to its DONE.
+        """
+        threads: list[threading.Thread] = []
         try:
             while not self._stopping:
                 try:
@@ -184,24 +193,33 @@ class ShardServer:
                     break
                 conn.settimeout(None)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with self._cond:
+                    self._connections.add(conn)
                 thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
                 thread.start()
                 threads.append(thread)
         finally:
             self._listener.close()
+        deadline = time.monotonic() + 30
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """Stop accepting and wake every held request. Idempotent; does not block."""
+        """Stop serving: wake every held request and cut every connection. Idempotent;
+        does not block (``serve_forever`` returns soon after)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+            for conn in self._connections:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        recv = torch.empty(self.shard.nbytes, dtype=torch.uint8)
-        recv_views = typed_views(recv, self.shard.segments)
-        send = torch.empty(self.shard.nbytes, dtype=torch.uint8)
+        buffers = _ConnectionBuffers(self.shard)
         try:
-            while not self._stopping:
+            while True:
                 try:
                     header = P.recv_header(conn)
                 except P.ProtocolError as exc:
@@ -211,7 +229,7 @@ class ShardServer:
                 if reason is not None:
                     self._reply_error(conn, reason)
                     return
-                if not self._handle(conn, header, recv, recv_views, send):
+                if not self._handle(conn, header, buffers):
                     return
         except (ConnectionError, OSError):
             return
@@ -219,15 +237,16 @@ class ShardServer:
             traceback.print_exc()
             self._reply_error(conn, f"shard {self.shard.index} failed: {exc!r}")
         finally:
+            with self._cond:
+                self._connections.discard(conn)
             conn.close()
 
-    def _handle(self, conn: socket.socket, h: P.Header, recv: torch.Tensor,
-                recv_views: list[torch.Tensor], send: torch.Tensor) -> bool:
+    def _handle(self, conn: socket.socket, h: P.Header, buffers: "_ConnectionBuffers") -> bool:
         """Serve one checked request. Returns False when the connection must close."""
         op = h.op
         if op == P.Op.PUSH:
-            P.recv_exact_into(conn, memoryview(recv.numpy()))
-            return self._push(conn, h, recv_views, send)
+            P.recv_exact_into(conn, memoryview(buffers.recv.numpy()))
+            return self._push(conn, h, buffers.recv_views, buffers)
         if op == P.Op.HELLO:
             with self._cond:
                 clock = self.version if self.mode == "sync" else self._clock(h.worker)
@@ -236,10 +255,10 @@ class ShardServer:
                                        initialised))
             return True
         if op == P.Op.INIT:
-            P.recv_exact_into(conn, memoryview(recv.numpy()))
+            P.recv_exact_into(conn, memoryview(buffers.recv.numpy()))
             with self._cond:
                 if not self.state.meta[_META_INITIALISED]:
-                    self.state.params.copy_(recv)
+                    self.state.params.copy_(buffers.recv)
                     self.state.meta[_META_INITIALISED] = 1
                     self._cond.notify_all()
             self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id))
@@ -247,10 +266,10 @@ class ShardServer:
         if op == P.Op.PULL:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or bool(self.state.meta[_META_INITIALISED]))
-                send.copy_(self.state.params)
+                buffers.send.copy_(self.state.params)
                 version = self.version
             self._reply(conn, P.Header(P.Op.PARAMS, h.worker, self.shard.index, version, self.shard.plan_id,
-                                       self.shard.nbytes), send)
+                                       self.shard.nbytes), buffers.send)
             return True
         if op == P.Op.DONE:
             with self._cond:
@@ -283,7 +302,8 @@ class ShardServer:
         self._reply_error(conn, f"op {op.name} is not handled")  # unreachable: check_request
         return False
 
-    def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor], send: torch.Tensor) -> bool:
+    def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor],
+              buffers: "_ConnectionBuffers") -> bool:
         w, step = h.worker, h.step
         with self._cond:
             if not self.state.meta[_META_INITIALISED]:
@@ -334,8 +354,8 @@ class ShardServer:
                             lambda: self._stopping or self._clock(w) - self._min_active_clock() <= self.staleness)
                         self._waiting -= 1
                 depth = self._waiting
-                send.copy_(self.state.params)
-                version, payload = self.version, send
+                buffers.send.copy_(self.state.params)
+                version, payload = self.version, buffers.send
         self._reply(conn, P.Header(P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id,
                                    self.shard.nbytes, P.join_aux(staleness, depth)), payload)
         return True
@@ -401,17 +421,38 @@ class ShardServer:
         self._reply_error(conn, reason)
 
 
+class _ConnectionBuffers:
+    """One connection's receive buffer (gradients land here, zero-copy) and send snapshot,
+    allocated on first use: a connection that only says HELLO costs nothing."""
+
+    def __init__(self, shard: ShardPlan) -> None:
+        self.shard = shard
+
+    @functools.cached_property
+    def recv(self) -> torch.Tensor:
+        return torch.empty(self.shard.nbytes, dtype=torch.uint8)
+
+    @functools.cached_property
+    def recv_views(self) -> list[torch.Tensor]:
+        return typed_views(self.recv, self.shard.segments)
+
+    @functools.cached_property
+    def send(self) -> torch.Tensor:
+        return torch.empty(self.shard.nbytes, dtype=torch.uint8)
+
+
 # ---------------------------------------------------------------- the server rank
 
 
-def _shard_process_main(config_path: str, ready_fd: int) -> None:
-    """Child process: serve one shard on the state files until all workers are done."""
+def _shard_process_main(ready_fd: int) -> None:
+    """Child process: read the config (JSON) from stdin, serve one shard on the inherited
+    state files until all workers are done, then exit 0."""
     torch.set_num_threads(1)
-    with open(config_path) as f:
-        config = json.load(f)
+    config = json.loads(sys.stdin.buffer.read())
     shard = Plan.from_json(config["plan"]).shard(config["index"])
     optimizer = ServerOptimizer(**config["optimizer"])
-    state = ShardState.allocate(shard, buffers_for(optimizer), config["num_workers"], config["state_dir"])
+    files = {name: f"/proc/self/fd/{fd}" for name, fd in config["state_fds"].items()}
+    state = ShardState.allocate(shard, buffers_for(optimizer), config["num_workers"], files)
     server = ShardServer(shard, state, num_workers=config["num_workers"], mode=config["mode"],
                          staleness=config["staleness"], optimizer=optimizer, host=config["host"])
     parent = os.getppid()
@@ -437,31 +478,40 @@ def serve_shard_supervised(plan_json: str, index: int, *, num_workers: int, mode
 
     The child is a fresh interpreter (``python -m torchrelay.train.ps.shard_main``), not a fork
     (this process may hold gloo threads) nor multiprocessing's spawn (which would re-run the
-    user's training script). The state lives in files under /dev/shm that both map.
+    user's training script). The state lives in unlinked /dev/shm files that both map.
     Blocks until a child exits 0 (every worker sent DONE). Raises ``RuntimeError`` after
     ``max_restarts`` deaths.
     """
-    import shutil
     import subprocess
     import tempfile
 
+    shard = Plan.from_json(plan_json).shard(index)
+    # The state lives in unlinked files in /dev/shm: this process holds them open and hands
+    # the descriptors to each child, so nothing is left behind however either process ends.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    state_dir = tempfile.mkdtemp(prefix=f"torchrelay-ps-shard{index}-", dir=shm)
+    fds: dict[str, int] = {}
+    for name, (count, dtype) in ShardState.sizes(shard, buffers_for(optimizer), num_workers).items():
+        fd, path = tempfile.mkstemp(prefix=f"torchrelay-ps-shard{index}-{name}-", dir=shm)
+        os.unlink(path)
+        os.ftruncate(fd, count * dtype.itemsize)
+        fds[name] = fd
+    config = json.dumps({"plan": plan_json, "index": index, "num_workers": num_workers, "mode": mode,
+                         "staleness": staleness, "optimizer": optimizer.model_dump(), "host": host,
+                         "state_fds": fds}).encode()
     try:
-        shard = Plan.from_json(plan_json).shard(index)
-        ShardState.allocate(shard, buffers_for(optimizer), num_workers, state_dir)  # create the files
-        config_path = os.path.join(state_dir, "config.json")
-        with open(config_path, "w") as f:
-            json.dump({"plan": plan_json, "index": index, "num_workers": num_workers, "mode": mode,
-                       "staleness": staleness, "optimizer": optimizer.model_dump(), "host": host,
-                       "state_dir": state_dir}, f)
         deaths = 0
         while True:
             read_fd, write_fd = os.pipe()
             child = subprocess.Popen(
-                [sys.executable, "-m", "torchrelay.train.ps.shard_main", config_path, str(write_fd)],
-                pass_fds=(write_fd,))
+                [sys.executable, "-m", "torchrelay.train.ps.shard_main", str(write_fd)],
+                pass_fds=(write_fd, *fds.values()), stdin=subprocess.PIPE)
             os.close(write_fd)
+            assert child.stdin is not None
+            try:
+                child.stdin.write(config)
+                child.stdin.close()
+            except BrokenPipeError:
+                pass  # it died at once; wait() below sees it
             with os.fdopen(read_fd) as ready:
                 line = ready.readline().split()
             if len(line) == 3:
@@ -481,5 +531,6 @@ def serve_shard_supervised(plan_json: str, index: int, *, num_workers: int, mode
                 raise RuntimeError(f"parameter-server shard {index} died {deaths} times; "
                                    f"giving up after max_restarts={max_restarts}")
     finally:
-        shutil.rmtree(state_dir, ignore_errors=True)
+        for fd in fds.values():
+            os.close(fd)
 
