@@ -67,7 +67,8 @@ gc.disable()
 AbortsWhenCollected()
 '''
 
-_ABORT_RE = re.compile(r"exitcode\s*:\s*-6\b")
+# one entry per failed rank in torchrun's failure summary: "exitcode  : -6 (pid: 123)"
+_ABORT_RE = re.compile(r"exitcode\s*:\s*-6\s*\(pid")
 
 
 def run_plain(workdir: Path, script: str) -> tuple[bool, int]:

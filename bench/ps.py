@@ -1,8 +1,8 @@
 """Parameter server: transport, step time and convergence, each against its baseline in one run.
 
 (a) push+pull of a 100 MB parameter set, one worker and one server process over 127.0.0.1,
-    against raw loopback TCP (``sendall`` / ``recv_into`` of the same bytes there and back);
-    the PS figure includes the server's SGD update of the 100 MB.
+    against raw loopback TCP (``sendall`` / ``recv_into`` of the same bytes there and back),
+    alternated round by round; the PS figure includes the server's SGD update of the 100 MB.
 (b) the same push+pull with a PyTorch RPC (TensorPipe) parameter server written the way
     PyTorch's parameter-server tutorial does it (``rpc_sync`` to the server's method with the
     gradients, the new parameters as the return value).
@@ -58,21 +58,7 @@ def child_ps() -> None:
     ps.run_server_role_if_assigned(ctx)
     rank, workers = ps.worker_world(ctx)
     out: dict = {}
-    if cfg["task"] == "bigstep":
-        model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(MB100 // 4 // N_TENSORS))
-                                        for _ in range(N_TENSORS)])
-        model, opt = ps.prepare(model, None, strategy, ctx)
-        opt.zero_grad()
-        for p in model.parameters():
-            p.grad.fill_(1e-6)
-        times = []
-        for _ in range(cfg["repeats"] + 1):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        out = {"times": times[1:]}
-        opt.close()
-    elif cfg["task"] == "steptime":
+    if cfg["task"] == "steptime":
         model, batches = mlp_and_batches(rank, cfg)
         model, opt = ps.prepare(model, None, strategy, ctx)
         out = {"times": timed_steps(model, opt, batches)}
@@ -122,10 +108,17 @@ def samples_to_target(rank: int, workers: int, cfg: dict, strategy, ctx) -> dict
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     model, opt = ps.prepare(model, None, strategy, ctx)
+    from torchrelay.train.ps.rendezvous import resolve_store
+
+    store = resolve_store(ctx)
     B, target = cfg["batch"], cfg["target"]
     reached = None
     for epoch in range(cfg["epochs"]):
+        if store.check(["reached"]):
+            break
         for start in range(rank * B, len(X) - workers * B + 1, workers * B):
+            if store.check(["reached"]):
+                break
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(X[start:start + B]), y[start:start + B]).backward()
             opt.step()
@@ -135,6 +128,7 @@ def samples_to_target(rank: int, workers: int, cfg: dict, strategy, ctx) -> dict
                 if loss <= target:
                     per_update = B * workers if strategy.mode == "sync" else B
                     reached = opt.last_version * per_update
+                    store.set("reached", "1")
     opt.close()
     return {"samples": reached}
 
@@ -298,17 +292,38 @@ def run_rpc(repeats: int) -> list[float]:
         return json.loads(Path(out, "rpc.json").read_text())["times"]
 
 
-def run_raw_tcp(repeats: int) -> list[float]:
+def run_transfer(repeats: int) -> tuple[list[float], list[float]]:
+    """(a): raw TCP round trips and PS steps of the same 100 MB, alternated so both see the
+    same machine load. This process is the PS worker and the TCP client; the PS server rank
+    and the TCP echo peer are child processes."""
+    import torch
+    import torch.distributed as dist
+
+    import torchrelay.train.ps as ps
+    from torchrelay.spec import ParameterServerStrategy
+
+    strategy = ParameterServerStrategy(kind="parameter_server", servers=1, mode="sync",
+                                       optimizer={"name": "sgd", "lr": 0.01})
     with tempfile.TemporaryDirectory() as out:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=120))
         procs = Procs()
         try:
+            procs.start("ps", {"RANK": "1", "WORLD_SIZE": "2", "TORCHRELAY_PS_STORE": f"127.0.0.1:{store.port}",
+                               "BENCH_CFG": json.dumps({"strategy": strategy.model_dump(), "out": out})})
             procs.start("tcp", {"BENCH_CFG": json.dumps({"repeats": repeats, "out": out})})
+            ctx = types.SimpleNamespace(rank=0, world_size=2, strategy=strategy, store=store)
+            model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(MB100 // 4 // N_TENSORS))
+                                            for _ in range(N_TENSORS)])
+            model, opt = ps.prepare(model, None, strategy, ctx)
+            opt.zero_grad()
+            for p in model.parameters():
+                p.grad.fill_(1e-6)
             port_file = Path(out, "tcp_port")
             while not port_file.exists() or not port_file.read_text():
                 time.sleep(0.05)
-            buf = bytearray(MB100)
-            view = memoryview(buf)
-            times = []
+            view = memoryview(bytearray(MB100))
+            raw, ours = [], []
             with socket.create_connection(("127.0.0.1", int(port_file.read_text()))) as sock:
                 for _ in range(repeats + 1):
                     t0 = time.perf_counter()
@@ -316,11 +331,15 @@ def run_raw_tcp(repeats: int) -> list[float]:
                     got = 0
                     while got < MB100:
                         got += sock.recv_into(view[got:], MB100 - got)
-                    times.append(time.perf_counter() - t0)
+                    raw.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    opt.step()
+                    ours.append(time.perf_counter() - t0)
+            opt.close()
             procs.wait()
         finally:
             procs.kill()
-        return times[1:]
+        return raw[1:], ours[1:]
 
 
 def main() -> None:
@@ -335,13 +354,11 @@ def main() -> None:
     med = statistics.median
     gbps = lambda seconds: 2 * MB100 / seconds / 1e9  # noqa: E731  (push + pull bytes)
     print("(a)/(b) push+pull of 100 MB, 1 worker <-> 1 server, 127.0.0.1, median of", args.repeats)
-    raw = med(run_raw_tcp(args.repeats))
+    raw_times, our_times = run_transfer(args.repeats)
+    raw, ours = med(raw_times), med(our_times)
     print(f"  raw TCP sendall/recv_into      {raw * 1e3:8.1f} ms  {gbps(raw):5.2f} GB/s")
-    sgd = {"name": "sgd", "lr": 0.01}
-    ours = med(run_ps({"task": "bigstep", "repeats": args.repeats,
-                       "strategy": {"kind": "parameter_server", "servers": 1, "mode": "sync", "optimizer": sgd}},
-                      1, 1)[0]["times"])
     print(f"  torchrelay PS (incl. update)   {ours * 1e3:8.1f} ms  {gbps(ours):5.2f} GB/s")
+    sgd = {"name": "sgd", "lr": 0.01}
     rpc = med(run_rpc(args.repeats))
     print(f"  torch RPC PS (TensorPipe)      {rpc * 1e3:8.1f} ms  {gbps(rpc):5.2f} GB/s")
 

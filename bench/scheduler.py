@@ -30,10 +30,11 @@ from torchrelay.scheduler.fifo import schedule_fifo  # noqa: E402
 from torchrelay.scheduler.simulate import mixed_cluster, mixed_trace, random_job, simulate  # noqa: E402
 
 
-def _apply(decisions, running: dict, queue: dict, now: float, rng: random.Random) -> None:
+def _apply(decisions, running: dict, queue: dict, jobs: dict, now: float, rng: random.Random) -> None:
+    """Carry out decisions as the server would: victims back to the queue, placements running."""
     for victim in decisions.preemptions:
-        alloc = running.pop(victim)
-        queue[victim] = alloc_job[victim]
+        running.pop(victim)
+        queue[victim] = jobs[victim]
     for placement in decisions.placements:
         job = queue.pop(placement.job_id)
         running[job.job_id] = Allocation(job.job_id, job.user, job.priority, placement.shape, placement.placement,
@@ -41,19 +42,17 @@ def _apply(decisions, running: dict, queue: dict, now: float, rng: random.Random
                                          max_runtime_s=job.max_runtime_s)
 
 
-alloc_job: dict = {}
-
-
 def part_a(nodes_n: int, queued_n: int, steady_cycles: int, seed: int) -> dict:
     rng = random.Random(seed)
     nodes = mixed_cluster(rng, nodes_n)
     seq = 0
+    jobs: dict = {}
 
     def new_job():
         nonlocal seq
         seq += 1
         job = random_job(rng, seq, users=50, priorities=(0, 0, 0, 1, 5))
-        alloc_job[job.job_id] = job
+        jobs[job.job_id] = job
         return job
 
     queue = {j.job_id: j for j in (new_job() for _ in range(queued_n))}
@@ -64,7 +63,7 @@ def part_a(nodes_n: int, queued_n: int, steady_cycles: int, seed: int) -> dict:
     cold_ms = (time.perf_counter() - started) * 1e3
     print(f"(a) cold cycle: {nodes_n} empty nodes, {queued_n} queued: {cold_ms:8.1f} ms, "
           f"{len(decisions.placements)} placed")
-    _apply(decisions, running, queue, now, rng)
+    _apply(decisions, running, queue, jobs, now, rng)
     times, cpu_times, placed, preempted = [], [], [], []
     for cycle in range(steady_cycles + 2):  # the first two settle preemptions started cold
         now += 60.0
@@ -82,7 +81,7 @@ def part_a(nodes_n: int, queued_n: int, steady_cycles: int, seed: int) -> dict:
             cpu_times.append((time.process_time() - cpu_started) * 1e3)
             placed.append(len(decisions.placements))
             preempted.append(len(decisions.preemptions))
-        _apply(decisions, running, queue, now, rng)
+        _apply(decisions, running, queue, jobs, now, rng)
     median = statistics.median(times)
     fifo_times = []
     for _ in range(3):

@@ -133,5 +133,36 @@ def test_stop_before_start(tmp_path):
     launch = make_launch(tmp_path, launch_id=unique_id("never"))
     status = launch.stop(grace_s=1)
     assert status.stopped is True and status.succeeded is False
+    assert status.message == "stopped before torchrun started"
     with pytest.raises(RuntimeError, match="already started or stopped"):
         launch.start("127.0.0.1", pick_free_port())
+
+
+def test_two_nodes_rendezvous_with_global_ranks(tmp_path):
+    """Two launches as node 0 and node 1 (one worker each): static rendezvous on node 0's
+    port, and each node reports its rank under the global number."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text(textwrap.dedent(TRAIN))
+    port = pick_free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        assignment = wire.LaunchAssignment(
+            launch_id=unique_id(f"node{node_rank}"), job_id="job-2", attempt=0, desired="run",
+            node_rank=node_rank, nnodes=2, nproc_per_node=1, world_size=2, rank_offset=node_rank,
+            entrypoint=["python", "train.py"], bundle=None, store_url=str(tmp_path / "store"),
+            job_store_prefix="jobs/job-2")
+        nodes.append(Launch(assignment, code_dir=code, run_dir=tmp_path / f"node{node_rank}"))
+    try:
+        for launch in nodes:
+            launch.start("127.0.0.1", port)
+        statuses = [launch.wait(timeout=150) for launch in nodes]
+        for node_rank, status in enumerate(statuses):
+            assert status is not None and status.succeeded is True, status
+            (rank_exit,) = status.ranks
+            assert rank_exit.rank == node_rank and rank_exit.returned
+            assert rank_exit.last_lines[0] == f"rank {node_rank} step 0 sum 1"
+    finally:
+        for launch in nodes:
+            launch.stop(grace_s=2)
+            assert launch.remaining_processes() == []

@@ -126,6 +126,9 @@ def main() -> None:
         json.dump({"rank": rank, "acc": acc, "steps": len(batches),
                    "generations": [directory.lookup(i)[0] for i in range(strategy.servers)], **metrics}, f)
     if torchrun:
+        total = torch.ones(1)
+        dist.all_reduce(total, group=ps.worker_process_group())  # workers only: servers have left
+        assert total.item() == workers, total
         gc.collect()
         dist.destroy_process_group()
 

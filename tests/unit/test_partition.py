@@ -174,3 +174,4 @@ def test_plans_100_blocks_into_8_stages():
     plan = plan_stages(blocks, devices, Link(1e9))  # its time is measured by bench/pipeline.py
     assert len(plan.stages) == 8 and plan.stages[-1].stop == 100
     assert all(s.mem_bytes <= s.mem_cap_bytes for s in plan.stages)
+

@@ -1,4 +1,5 @@
-"""Pure parts of the pipeline runtime: schedule orders, micro-batch sizes, block helpers."""
+"""Pure parts of the pipeline runtime: schedule orders, micro-batch sizes, block helpers,
+and the plan file for ``relay status``."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from torchrelay.errors import InvalidSpec
 from torchrelay.train.pipeline.meta import (as_blocks, build_on_meta, is_on_meta,
                                             materialize_module, transformer_blocks)
 from torchrelay.train.pipeline.models import balanced_mlp, char_transformer
+from torchrelay.train.pipeline.partition import BlockCost, DeviceSpec, plan_stages
 from torchrelay.train.pipeline.runtime import microbatch_sizes, schedule_actions
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,3 +91,16 @@ def test_block_helpers():
     assert as_blocks(nn.Sequential(*blocks)) == blocks
     with pytest.raises(TypeError, match="Linear"):
         as_blocks(nn.Linear(2, 2))
+
+
+def test_plan_is_published_for_relay_status(tmp_path):
+    import json
+
+    from torchrelay.train.pipeline.api import publish_plan
+
+    plan = plan_stages([BlockCost(1.0), BlockCost(2.0), BlockCost(3.0)],
+                       [DeviceSpec("a"), DeviceSpec("b")])
+    assert publish_plan(plan, env={}) is None
+    path = publish_plan(plan, env={"RELAY_METRICS_DIR": str(tmp_path / "m")})
+    data = json.loads(open(path).read())
+    assert data["stages"] == plan.to_dict()["stages"] and "stage 0 on a" in data["text"]

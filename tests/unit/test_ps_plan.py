@@ -147,3 +147,14 @@ def test_worker_world_refuses_server_ranks_and_passes_other_strategies_through()
     with pytest.raises(ValueError, match="leaves no workers"):
         worker_world(types.SimpleNamespace(rank=0, world_size=1, strategy=strategy))
     assert worker_world(types.SimpleNamespace(rank=1, world_size=4, strategy=None)) == (1, 4)
+
+
+def test_strategy_comes_from_ctx_or_relay_strategy_env(monkeypatch):
+    from torchrelay.train.ps import strategy_of
+
+    monkeypatch.setenv("RELAY_STRATEGY", '{"kind": "parameter_server", "servers": 2, "mode": "ssp", "staleness": 3}')
+    got = strategy_of(types.SimpleNamespace(rank=0, world_size=4))
+    assert isinstance(got, ParameterServerStrategy) and (got.servers, got.staleness) == (2, 3)
+    assert worker_world(types.SimpleNamespace(rank=1, world_size=4)) == (1, 2)
+    monkeypatch.setenv("RELAY_STRATEGY", '{"kind": "ddp"}')
+    assert worker_world(types.SimpleNamespace(rank=3, world_size=4)) == (3, 4)

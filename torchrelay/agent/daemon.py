@@ -253,6 +253,7 @@ class Agent:
         self.stop_grace_s = stop_grace_s
         self.node_id: str | None = None
         self._version = -1
+        self._wait_s = heartbeat_wait_s
         self._runners: dict[str, _Runner] = {}
         self._done: set[str] = set()  # launches this agent ran and let go of
         self._lock = threading.RLock()
@@ -356,6 +357,8 @@ class Agent:
             log.warning("server gave node id %s instead of %s", registered.node_id, self.node_id)
         self.node_id = registered.node_id
         self._version = -1
+        # the server sees a node at the start of each beat: keep a long poll well inside its timeout
+        self._wait_s = max(0.0, min(self.heartbeat_wait_s, registered.heartbeat_timeout_s / 3))
         try:
             self._node_file().write_text(json.dumps({"node_id": self.node_id, "server": self.address}))
         except OSError as exc:
@@ -366,8 +369,7 @@ class Agent:
         with self._lock:
             reports = [wire.LaunchReport(launch_id=lid, state=runner.state)
                        for lid, runner in self._runners.items()]
-        return wire.Heartbeat(launches=reports, wait_s=self.heartbeat_wait_s,
-                              known_version=self._version)
+        return wire.Heartbeat(launches=reports, wait_s=self._wait_s, known_version=self._version)
 
     def _heartbeat_loop(self) -> None:
         backoff = 0.2

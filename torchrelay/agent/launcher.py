@@ -400,6 +400,8 @@ class Launch:
         ranks, succeeded = classify_exit(self.ranks, self._markers(), self._last_lines)
         if succeeded:
             message = f"all {len(ranks)} ranks returned"
+        elif self._proc is None:
+            message = "stopped before torchrun started"
         else:
             failures = [describe_rank(r) for r in ranks if not r.returned]
             message = "; ".join(failures[:4])

@@ -44,7 +44,7 @@ class Holding:
     end: float  # math.inf when unknown
     nodes: np.ndarray  # node indices (int)
     use: np.ndarray  # per node in ``nodes``: [cpus, gpus, memory]
-    total: np.ndarray  # [cpus, gpus, memory] over all nodes, for accounting
+    total: tuple[float, float, float]  # cpus, gpus, memory over all its nodes (on this cluster or not)
     new: bool = False  # placed or granted in this cycle (never a preemption victim)
 
 
@@ -124,7 +124,8 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
                     holdings: list[Holding], now: float, ready: np.ndarray) -> dict[str, float]:
     """Estimated start of each waiting job, in order, until one cannot be estimated."""
     # (end, job id, nodes, use, released in all: python floats for the cheap test below)
-    events = [(h.end, h.job_id, h.nodes, h.use, h.use.sum(axis=0).tolist()) for h in holdings if h.end < math.inf]
+    # ``total`` may count nodes off this cluster: fine for the bound it is used for
+    events = [(h.end, h.job_id, h.nodes, h.use, h.total) for h in holdings if h.end < math.inf]
     heapq.heapify(events)
     avail = free.copy()
     clock = now

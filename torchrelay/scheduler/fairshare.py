@@ -35,18 +35,15 @@ class Accounts:
         self._jobs: dict[str, int] = {}
         self._share: dict[str, float] = {}
 
-    def _add(self, user: str, amount: np.ndarray, sign: int) -> None:
+    def charge(self, user: str, amount: tuple[float, float, float]) -> None:
+        """Add one job using ``amount`` (cpus, gpus, memory) to ``user``."""
         used = self._used.setdefault(user, [0.0, 0.0, 0.0])
-        cpus, gpus, memory = amount.tolist()
-        used[0] += sign * cpus
-        used[1] += sign * gpus
-        used[2] += sign * memory
-        self._jobs[user] = self._jobs.get(user, 0) + sign
+        used[0] += amount[0]
+        used[1] += amount[1]
+        used[2] += amount[2]
+        self._jobs[user] = self._jobs.get(user, 0) + 1
         inv = self._inv
         self._share[user] = max(used[0] * inv[0], used[1] * inv[1], used[2] * inv[2])
-
-    def charge(self, user: str, amount: np.ndarray) -> None:
-        self._add(user, amount, 1)
 
     def used(self, user: str) -> tuple[float, float, float, int]:
         cpus, gpus, memory = self._used.get(user, (0.0, 0.0, 0.0))
@@ -84,10 +81,15 @@ def fair_order(queue: tuple[QueuedJob, ...], accounts: Accounts) -> Iterator[Que
         while heap:
             share, seq, job_id, user = heapq.heappop(heap)
             now_share = accounts.share(user)
-            if now_share != share:  # charged or refunded since it was pushed: re-rank lazily
+            if now_share != share:  # charged since it was pushed: re-rank lazily (shares only grow)
                 heapq.heappush(heap, (now_share, seq, job_id, user))
                 continue
             jobs = per_user[user]
-            yield jobs.pop()
-            if jobs:
-                heapq.heappush(heap, (accounts.share(user), jobs[-1].submit_seq, jobs[-1].job_id, user))
+            while jobs:
+                yield jobs.pop()
+                if not jobs:
+                    break
+                head = (accounts.share(user), jobs[-1].submit_seq, jobs[-1].job_id, user)
+                if heap and heap[0] < head:  # another user is next: back into the heap
+                    heapq.heappush(heap, head)
+                    break

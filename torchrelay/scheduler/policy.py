@@ -31,7 +31,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from torchrelay.spec import format_memory
 from torchrelay.scheduler.backfill import Holding, Reservation, Tiers, estimate_starts, reserve
 from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, job_problem, runtime_problem,
                                           usage)
@@ -39,6 +38,10 @@ from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.types import Decisions, Placement, QueuedJob, SchedulerInput
+from torchrelay.spec import format_memory
+
+
+_FOR_GOOD = -1  # an outcome version that never expires
 
 
 class _FitMemo:
@@ -130,7 +133,7 @@ class _Cycle:
         for k, alloc in enumerate(allocs):
             shape = alloc.shape
             workers = sum(w for _, w in alloc.placement)
-            total = np.array([shape.cpu * workers, shape.gpu * workers, shape.memory * workers], dtype=np.float64)
+            total = (float(shape.cpu * workers), float(shape.gpu * workers), float(shape.memory * workers))
             end = alloc.started_at + alloc.max_runtime_s if alloc.max_runtime_s is not None else math.inf
             low, high = bounds[k], bounds[k + 1]
             self.holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
@@ -222,7 +225,7 @@ class _Cycle:
             np.subtract.at(self.free, nodes, use)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
-        total = usage(choice.alt.shape, job.workers)
+        total = tuple(usage(choice.alt.shape, job.workers).tolist())
         end = self.now + job.max_runtime_s if job.max_runtime_s is not None else math.inf
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
@@ -269,7 +272,7 @@ class _Cycle:
         if reservation is not None:
             # Once the cluster is full most jobs meet a state seen before: reuse that outcome.
             seen = self.outcomes.get(outcome_key)
-            if seen is not None and seen[0] == self.version:
+            if seen is not None and (seen[0] == self.version or seen[0] == _FOR_GOOD):
                 return seen[1]
         if reservation is None or short:
             choice = self.try_place(job, tiers, (signature, "free"), size, self.free)
@@ -299,7 +302,10 @@ class _Cycle:
             reason = f"reservation: starting now would delay job {reservation.job_id}{when}"
         else:
             reason = self.explain(job, kind, tiers, signature)
-        self.outcomes[outcome_key] = (self.version, reason)
+        # Resources only shrink within a cycle, so "priority" (it fitted at the start, not now)
+        # and "resources" (not even one worker fits) stay true; the others may change.
+        lasting = reason.startswith(("priority", "resources"))
+        self.outcomes[outcome_key] = (_FOR_GOOD if lasting else self.version, reason)
         return reason
 
     def explain(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
@@ -397,5 +403,4 @@ def fits_ever(job: QueuedJob, nodes: tuple) -> bool:
         return False
     cycle_cluster = Cluster(tuple(nodes))
     everywhere = np.ones(len(cycle_cluster), dtype=bool)
-    return place_best(cycle_cluster, alternatives(job, cycle_cluster), job, cycle_cluster.total,
-                      everywhere) is not None
+    return feasible(cycle_cluster, alternatives(job, cycle_cluster), job, cycle_cluster.total, everywhere)

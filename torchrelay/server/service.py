@@ -370,10 +370,15 @@ class ClusterService:
             raise NotFound(f"job {job_id!r} does not exist; `relay ls` lists the jobs")
         return row
 
-    def _node_views(self, s: Session) -> list[policy.NodeView]:
+    def _node_views(self, s: Session, include_lost: bool = False) -> list[policy.NodeView]:
+        """Nodes as the policy sees them; LOST ones (only with ``include_lost``) are not ready,
+        so a job that fits them waits for them instead of being called unschedulable."""
+        q = select(NodeRow).order_by(NodeRow.id)
+        if not include_lost:
+            q = q.where(NodeRow.state == "READY")
         return [policy.NodeView(id=n.id, cpus=n.cpus, gpus=n.gpus, memory=n.memory, gpu_type=n.gpu_type,
-                                labels=tuple(sorted((n.labels or {}).items())), ready=True)
-                for n in s.scalars(select(NodeRow).where(NodeRow.state == "READY").order_by(NodeRow.id))]
+                                labels=tuple(sorted((n.labels or {}).items())), ready=n.state == "READY")
+                for n in s.scalars(q)]
 
     def _never_fits_message(self, spec: JobSpec, nodes: list[policy.NodeView]) -> str:
         res = spec.resources
@@ -539,7 +544,7 @@ class ClusterService:
     # ------------------------------------------------------------ internals: scheduling
 
     def _schedule(self, s: Session) -> None:
-        nodes = self._node_views(s)
+        nodes = self._node_views(s, include_lost=True)
         running, queue, rows = [], [], {}
         for row in s.scalars(select(JobRow).where(JobRow.state.in_(
                 [JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
@@ -550,7 +555,8 @@ class ClusterService:
                 running.append(policy.Allocation(
                     job_id=row.id, user=row.user or "", priority=row.priority, shape=worker_shape(spec),
                     placement=tuple((x.node_id, x.nproc) for x in live), preemptible=spec.preemptible,
-                    started_at=row.started_at or row.submitted_at, max_runtime_s=spec.max_runtime_s))
+                    started_at=row.started_at or row.submitted_at, max_runtime_s=spec.max_runtime_s,
+                    preempting=bool(row.requeue) or row.state == JobState.CANCELLING.value))
             elif row.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(queued_job(row, spec))
                 rows[row.id] = (row, spec)

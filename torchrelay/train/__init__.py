@@ -21,7 +21,9 @@ the job spec's strategy decides how ``prepare`` distributes it::
 Imports nothing from ``torchrelay.server``. See docs/training-library.md.
 """
 from torchrelay.train.artifacts import artifact_url, job_store, save_artifact
-from torchrelay.train.checkpoint import checkpoint_due, load_checkpoint, save_checkpoint
+from torchrelay.train.checkpoint import (checkpoint_due, load_checkpoint, save_checkpoint, wait_for_checkpoint,
+                                         wait_for_staging)
+from torchrelay.train.checkpoint_state import TrainState
 from torchrelay.train.context import (Context, LocalModule, current_context, finish, init, prepare, shutdown,
                                       unwrap)
 from torchrelay.train.data import shard, shard_indices
@@ -29,7 +31,7 @@ from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 
 __all__ = [
-    "Context", "LocalModule", "artifact_url", "checkpoint_due", "current_context", "finish", "flush_metrics",
+    "Context", "LocalModule", "TrainState", "artifact_url", "checkpoint_due", "current_context", "finish", "flush_metrics",
     "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
-    "shard", "shard_indices", "shutdown", "unwrap",
+    "shard", "shard_indices", "shutdown", "unwrap", "wait_for_checkpoint", "wait_for_staging",
 ]

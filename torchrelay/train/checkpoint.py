@@ -1,51 +1,69 @@
-"""Checkpoints in the artifact store: atomic, verified, with fallback to the previous good one.
+"""Checkpoints in the artifact store: torch.distributed.checkpoint, committed by a manifest, verified, async.
 
 Layout under ``ArtifactStore.checkpoint_prefix(job)``::
 
-    step-0000000100/state.pt        torch.save of the state dict
-    step-0000000100/MANIFEST.json   {"format", "step", "created", "files": {name: {sha256, size}}}
-    latest                          text: the directory name of the newest committed checkpoint
+    step-0000000100/__0_0.distcp …   tensor bytes written by rank 0 (see checkpoint_dcp)
+    step-0000000100/__1_0.distcp …   rank 1's share: DCP spreads replicated tensors over ranks
+    step-0000000100/.metadata         DCP's metadata (where each value lies)
+    step-0000000100/MANIFEST.json    {"format", "step", "created", "files": {name: {sha256, size}}}
+    latest                           text: the folder name of the newest committed checkpoint
 
 Contract:
-- A checkpoint is *committed* when its ``MANIFEST.json`` exists: every file is written first
-  (each under a temporary name, then renamed), the manifest last, then ``latest``. A crash at
-  any point leaves the previous committed checkpoint loadable; ``latest`` only ever names a
-  committed one. Saving a step that already exists first removes its manifest (uncommits it).
-- After a save at step s, checkpoints newer than s (an abandoned earlier attempt) and all but
+- A checkpoint is *committed* when its ``MANIFEST.json`` exists. Rank 0 clears the step's
+  folder before any rank writes (saving a step again uncommits it first); every rank writes and
+  fsyncs its files; rank 0 then writes ``.metadata``, the manifest (sha256 and size of every file
+  of every rank), then ``latest``. A crash or a write error at any point leaves the previous
+  committed checkpoint loadable, and ``latest`` only ever names a committed one.
+- After a commit at step s, checkpoints newer than s (an abandoned earlier attempt) and all but
   the newest ``keep`` committed ones are deleted, as are uncommitted folders older than s.
-- Loading tries committed checkpoints newest first, checks the size and sha256 of every file
-  the manifest lists and unpickles with ``torch.load(weights_only=True)``; a checkpoint that
-  fails any of these is skipped with a warning naming it and the reason, and the previous one
-  is tried. A malicious pickle is refused by ``weights_only`` and never runs.
-- ``save_checkpoint`` is called on every rank: it first runs the prepared optimizer's
-  ``before_checkpoint()`` if it has one (``train.sync``'s final averaging, a collective), then
-  writes on the main rank only (replicas hold the same state) and returns the checkpoint's URL
-  on every rank without waiting for the write. ``load_checkpoint`` reads on every rank.
-  (Issue 3 moves the bytes onto torch.distributed.checkpoint behind these same signatures.)
+- Loading tries committed checkpoints newest first. Every file the manifest lists is hashed
+  (each rank hashes a share and the ranks agree on the verdict, so all load the same step);
+  a checkpoint with a missing, truncated or changed file, no manifest, or a value that would
+  run code when unpickled is skipped with a warning naming it and why, and the previous one is
+  tried. Nothing in a checkpoint can run code (checkpoint_dcp: raw tensor bytes,
+  ``weights_only=True``, allowlisted metadata).
+- ``save_checkpoint`` is called on every rank (DCP's save is a collective on a gloo group of
+  its own, so an async save never interleaves with training's collectives). Under the
+  ``parameter_server`` strategy server ranks never join, so worker rank 0 writes alone.
+- Async (``async_=True`` or the policy's ``async``): the call returns once a background thread
+  has started copying the state; writing and committing happen behind training. At most one
+  save is in flight: the next save (or ``wait_for_checkpoint()``) waits for it and raises its
+  error. The state's tensors must not change until the copy is done: the prepared optimizer's
+  ``step()`` (and the model's forward, via ``TrainState``) wait for it by themselves.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import posixpath
 import re
+import threading
 import time
-from typing import Any, Callable
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from torchrelay.errors import CheckpointCorrupt, NotFound, StorageError
 from torchrelay.storage import ArtifactStore, validate_relative_path
+from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
 
 log = logging.getLogger("torchrelay.train.checkpoint")
+# DCP warns on every single-process save/load even when asked for one (no_dist=True)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
-STATE_FILE = "state.pt"
-FORMAT = "torchrelay-checkpoint/1"
+FORMAT = "torchrelay-checkpoint/2"
+INT_KEYS = "_torchrelay_int_keys"  # paths of dicts whose keys were ints (DCP makes every key a str)
 _STEP_DIR_RE = re.compile(r"^step-(\d{10,})$")
 
 
@@ -65,67 +83,95 @@ def parse_step_dirname(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def build_manifest(step: int, files: dict[str, bytes], created: float) -> bytes:
-    """Manifest bytes naming each file's sha256 and size."""
-    entries = {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-               for name, data in sorted(files.items())}
-    return json.dumps({"format": FORMAT, "step": step, "created": created, "files": entries},
+def build_manifest(step: int, entries: dict[str, dict[str, Any]], created: float) -> bytes:
+    """Manifest bytes: ``entries`` maps each file name to ``{"sha256", "size"}``."""
+    files = {name: {"sha256": str(e["sha256"]), "size": int(e["size"])} for name, e in sorted(entries.items())}
+    return json.dumps({"format": FORMAT, "step": step, "created": created, "files": files},
                       indent=1, sort_keys=True).encode()
 
 
-def verify(name: str, manifest_bytes: bytes, read: Callable[[str], bytes]) -> dict[str, bytes]:
-    """Every file of checkpoint ``name`` after checking it against the manifest.
-
-    ``read(file_name)`` returns a file's bytes or raises ``NotFound``. Raises
-    ``CheckpointCorrupt`` with the reason (bad manifest, missing file, size or sha256 mismatch).
-    """
+def parse_manifest(name: str, manifest_bytes: bytes) -> dict[str, tuple[str, int]]:
+    """``{file: (sha256, size)}`` of checkpoint folder ``name``'s manifest. Raises ``CheckpointCorrupt``."""
     try:
         manifest = json.loads(manifest_bytes)
-        files = manifest["files"]
-        step = manifest["step"]
+        files, step = manifest["files"], manifest["step"]
         if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
-            raise ValueError("unknown format or no files")
+            raise ValueError(f"format {manifest.get('format')!r} (expected {FORMAT!r}) or no files")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorrupt(f"{MANIFEST} is not a valid manifest ({exc})") from None
     if parse_step_dirname(name) != step:
         raise CheckpointCorrupt(f"{MANIFEST} says step {step!r} but the folder is {name!r}")
-    out: dict[str, bytes] = {}
-    for file_name, entry in sorted(files.items()):
+    out: dict[str, tuple[str, int]] = {}
+    for file_name, entry in files.items():
         try:
-            validate_relative_path(file_name)
-            expected_sha, expected_size = str(entry["sha256"]), int(entry["size"])
+            if validate_relative_path(file_name) != file_name or "/" in file_name:
+                raise ValueError
+            out[file_name] = (str(entry["sha256"]), int(entry["size"]))
         except (StorageError, KeyError, TypeError, ValueError):
             raise CheckpointCorrupt(f"{MANIFEST} entry {file_name!r} is malformed") from None
-        try:
-            data = read(file_name)
-        except NotFound:
-            raise CheckpointCorrupt(f"file {file_name!r} listed in {MANIFEST} is missing") from None
-        if len(data) != expected_size:
-            raise CheckpointCorrupt(f"file {file_name!r} has {len(data)} bytes, {MANIFEST} says "
-                                    f"{expected_size} (truncated or overwritten)")
-        actual_sha = hashlib.sha256(data).hexdigest()
-        if actual_sha != expected_sha:
-            raise CheckpointCorrupt(f"file {file_name!r} has sha256 {actual_sha[:12]}…, {MANIFEST} says "
-                                    f"{expected_sha[:12]}… (corrupted)")
-        out[file_name] = data
     return out
 
 
-def decode_state(data: bytes) -> Any:
-    """Unpickle checkpoint bytes with ``weights_only=True`` onto the CPU. Raises ``CheckpointCorrupt``."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError… for bad input
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointCorrupt(f"{STATE_FILE} cannot be loaded with weights_only=True "
-                                f"({type(exc).__name__}: {first_line[:200]})") from None
+def check_file(file_name: str, expected: tuple[str, int], actual: tuple[str, int] | None) -> str | None:
+    """Why a file does not match its manifest entry, or None when it does. Pure."""
+    if actual is None:
+        return f"file {file_name!r} listed in {MANIFEST} is missing"
+    (want_sha, want_size), (sha, size) = expected, actual
+    if size != want_size:
+        return f"file {file_name!r} has {size} bytes, {MANIFEST} says {want_size} (truncated or overwritten)"
+    if sha != want_sha:
+        return f"file {file_name!r} has sha256 {sha[:12]}…, {MANIFEST} says {want_sha[:12]}… (corrupted)"
+    return None
 
 
-def decode_files(files: dict[str, bytes]) -> Any:
-    """The state held by a verified checkpoint's files. Raises ``CheckpointCorrupt``."""
-    if STATE_FILE not in files:
-        raise CheckpointCorrupt(f"{MANIFEST} lists no {STATE_FILE}")
-    return decode_state(files[STATE_FILE])
+def encode_int_keys(state: Any, path: tuple = ()) -> tuple[Any, list[tuple]]:
+    """``state`` with int dict keys made str (as DCP stores them) and the paths of those dicts.
+
+    Optimizer state dicts key their per-parameter state by int; without this they would come
+    back keyed by '0', '1' … and ``Optimizer.load_state_dict`` would silently drop them.
+    Raises ``ValueError`` naming the path of a key that is neither str nor int. Pure.
+    """
+    if isinstance(state, dict):
+        paths: list[tuple] = []
+        out = {}
+        has_int = False
+        for key, value in state.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                has_int, key = True, str(key)
+            elif not isinstance(key, str):
+                raise ValueError(f"checkpoint key {key!r} at {'.'.join(map(str, path)) or '<top>'} must be a str "
+                                 "or an int")
+            out[key], inner = encode_int_keys(value, path + (key,))
+            paths.extend(inner)
+        if len(out) != len(state):
+            raise ValueError(f"checkpoint keys at {'.'.join(map(str, path)) or '<top>'} collide once made str")
+        return out, ([path] if has_int else []) + paths
+    if isinstance(state, list):
+        paths = []
+        items = []
+        for index, value in enumerate(state):
+            item, inner = encode_int_keys(value, path + (index,))
+            items.append(item)
+            paths.extend(inner)
+        return items, paths
+    return state, []
+
+
+def decode_int_keys(state: Any, paths: Iterable[Iterable]) -> Any:
+    """Undo ``encode_int_keys`` in place on a loaded state; returns it."""
+    for path in sorted((tuple(p) for p in paths), key=len, reverse=True):
+        parent, node = None, state
+        try:
+            for part in path:
+                parent, node = node, node[part]
+        except (KeyError, IndexError, TypeError):
+            continue  # a value the loader did not ask for
+        converted = {(int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v for k, v in node.items()}
+        if parent is None:
+            state = converted
+        else:
+            parent[path[-1]] = converted
+    return state
 
 
 # ---------------------------------------------------------------- store-backed
@@ -137,22 +183,37 @@ class Loaded:
 
     step: int
     name: str
-    files: dict[str, bytes]
     state: Any = None
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
+def _rank_world(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _failure_message(exc: CheckpointException) -> tuple[str, bool]:
+    """(message naming the failing ranks, whether a failure was a storage error other than damage)."""
+    parts, io_error = [], False
+    for rank, (error, _trace) in sorted(exc.failures.items()):
+        io_error = io_error or (isinstance(error, StorageError) and not isinstance(error, CheckpointCorrupt))
+        parts.append(f"rank {rank}: {error}" if len(exc.failures) > 1 else str(error))
+    return "; ".join(parts) or str(exc), io_error
+
+
 class CheckpointStore:
-    """The checkpoints of one job in an ``ArtifactStore``. Not safe for two writers at once."""
+    """The checkpoints of one job in an ``ArtifactStore``. One writer (job) at a time."""
 
     def __init__(self, store: ArtifactStore, job_id: str, keep: int = 3,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, threads: int = DEFAULT_THREADS):
         if keep < 1:
             raise ValueError(f"keep={keep!r} must be >= 1")
         self.store = store
         self.prefix = ArtifactStore.checkpoint_prefix(job_id)
         self.keep = keep
         self.clock = clock
+        self.threads = threads
 
     def key(self, *parts: str) -> str:
         return posixpath.join(self.prefix, *parts)
@@ -177,20 +238,45 @@ class CheckpointStore:
         except NotFound:
             return None
 
-    def save(self, files: dict[str, bytes], step: int) -> str:
-        """Write and commit ``files`` as the checkpoint at ``step``; returns its URL. Raises ``StorageError``."""
+    # ------------------------------------------------------------ save
+
+    def writer(self, step: int) -> StoreWriter:
+        """The DCP writer of the checkpoint at ``step``: clears its folder first, commits it last."""
         name = step_dirname(step)
-        if not files:
-            raise ValueError("a checkpoint needs at least one file")
-        manifest_key = self.key(name, MANIFEST)
-        if self.store.exists(manifest_key):
-            self.store.delete_prefix(manifest_key)
-        for file_name, data in files.items():
-            self.store.put_bytes(self.key(name, validate_relative_path(file_name)), data)
-        self.store.put_bytes(manifest_key, build_manifest(step, files, self.clock()))
-        self.store.put_bytes(self.key(LATEST), name.encode())
-        self._prune(step)
-        return self.url(name)
+
+        def start() -> None:
+            self.store.delete_prefix(self.key(name))  # uncommit and drop what an older attempt left
+
+        def commit(entries: dict[str, dict[str, Any]]) -> None:
+            self.store.put_bytes(self.key(name, MANIFEST), build_manifest(step, entries, self.clock()))
+            self.store.put_bytes(self.key(LATEST), name.encode())
+            self._prune(step)
+
+        return StoreWriter(self.store, self.key(name), threads=self.threads, on_start=start, on_commit=commit)
+
+    def save(self, state: dict, step: int, *, group: Any = None) -> str:
+        """Write and commit ``state`` as the checkpoint at ``step``; returns its URL. Blocks.
+
+        Collective over ``group`` (None: this process alone). Raises ``StorageError`` on every
+        rank when any rank failed to write, leaving the previous checkpoint loadable.
+        """
+        encoded = _prepare_state(state)
+        try:
+            dcp.save(encoded, storage_writer=self.writer(step), planner=DefaultSavePlanner(),
+                     process_group=group, no_dist=group is None)
+        except CheckpointException as exc:
+            raise self._save_failed(step, exc) from None
+        return self.url(step_dirname(step))
+
+    def _save_failed(self, step: int, exc: CheckpointException) -> StorageError:
+        message, _ = _failure_message(exc)
+        name = step_dirname(step)
+        try:  # free the space a failed save took (a full disk is the usual cause)
+            if not self.store.exists(self.key(name, MANIFEST)):
+                self.store.delete_prefix(self.key(name))
+        except (OSError, StorageError):
+            pass
+        return StorageError(f"checkpoint of step {step} at {self.url(name)} was not saved: {message}")
 
     def _prune(self, saved_step: int) -> None:
         folders = self.folders()
@@ -201,32 +287,104 @@ class CheckpointStore:
             if stale:
                 self.store.delete_prefix(self.key(step_dirname(step)))
 
-    def load(self, decode: Callable[[dict[str, bytes]], Any] | None = None) -> Loaded | None:
+    # ------------------------------------------------------------ verify and load
+
+    def _digest(self, name: str, file_name: str) -> tuple[str, int] | None:
+        hasher, size = hashlib.sha256(), 0
+        buffer = bytearray(8 << 20)
+        view = memoryview(buffer)
+        try:
+            with self.store.fs.open(self.store.full_path(self.key(name, file_name)), "rb") as fh:
+                while True:
+                    got = fh.readinto(view)
+                    if not got:
+                        break
+                    hasher.update(view[:got])
+                    size += got
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.url(name)}/{file_name}: {exc}") from exc
+        return hasher.hexdigest(), size
+
+    def verify(self, name: str, group: Any = None) -> str | None:
+        """Why checkpoint ``name`` cannot be trusted, or None. Collective over ``group``: each
+        rank hashes a share of the files and every rank returns the same verdict."""
+        reason: str | None = None
+        try:
+            expected = parse_manifest(name, self.store.get_bytes(self.key(name, MANIFEST)))
+        except NotFound:
+            reason, expected = f"no {MANIFEST} (never committed: the save did not finish)", {}
+        except CheckpointCorrupt as exc:
+            reason, expected = str(exc), {}
+        rank, world = _rank_world(group)
+        for file_name in sorted(expected)[rank::world]:
+            reason = reason or check_file(file_name, expected[file_name], self._digest(name, file_name))
+        if world > 1:
+            verdicts: list[Any] = [None] * world
+            dist.all_gather_object(verdicts, reason, group=group)
+            reason = next((v for v in verdicts if v), None)
+        return reason
+
+    def load(self, decode: Callable[..., Any] | None = None, group: Any = None) -> Loaded | None:
         """The newest checkpoint that verifies (and decodes, when ``decode`` is given), or None.
 
-        Skipped ones are logged as warnings and listed in ``Loaded.skipped``.
+        ``decode(checkpoints, name, group)`` returns the state (``decode_files`` reads it all).
+        Collective over ``group``. Skipped ones are logged as warnings and listed in
+        ``Loaded.skipped``.
         """
         skipped: list[tuple[str, str]] = []
         for step in sorted(self.folders(), reverse=True):
             name = step_dirname(step)
-            try:
+            reason = self.verify(name, group)
+            state = None
+            if reason is None and decode is not None:
                 try:
-                    manifest = self.store.get_bytes(self.key(name, MANIFEST))
-                except NotFound:
-                    raise CheckpointCorrupt(f"no {MANIFEST} (never committed: the save did not finish)") from None
-                files = verify(name, manifest, lambda f, n=name: self.store.get_bytes(self.key(n, f)))
-                state = decode(files) if decode is not None else None
-            except CheckpointCorrupt as exc:
-                skipped.append((name, str(exc)))
-                log.warning("checkpoint %s skipped: %s", self.url(name), exc)
+                    state = decode(self, name, group)
+                except CheckpointCorrupt as exc:
+                    reason = str(exc)
+            if reason is not None:
+                skipped.append((name, reason))
+                log.warning("checkpoint %s skipped: %s", self.url(name), reason)
                 continue
             if skipped:
                 log.warning("checkpoint %s loaded instead of %s", self.url(name), ", ".join(n for n, _ in skipped))
-            return Loaded(step=step, name=name, files=files, state=state, skipped=skipped)
+            return Loaded(step=step, name=name, state=state, skipped=skipped)
         return None
 
 
+def _prepare_state(state: dict) -> dict:
+    if not isinstance(state, dict):
+        raise TypeError(f"a checkpoint state must be a dict, got {type(state).__name__}")
+    if INT_KEYS in state:
+        raise ValueError(f"checkpoint key {INT_KEYS!r} is reserved by torchrelay")
+    encoded, paths = encode_int_keys(state)
+    if paths:
+        encoded[INT_KEYS] = [list(p) for p in paths]
+    return encoded
+
+
+def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None) -> dict:
+    """The whole state of verified checkpoint ``name``, tensors on the CPU. Raises ``CheckpointCorrupt``."""
+    planner = SafeLoadPlanner()
+    reader = StoreReader(checkpoints.store, checkpoints.key(name))
+    reader.read_metadata()  # CheckpointCorrupt here, before DCP wraps it (every rank reads the same bytes)
+    try:
+        dcp.load({}, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+    except CheckpointException as exc:
+        message, io_error = _failure_message(exc)
+        # a read error (store unreachable) must not make the job start over: only damage skips
+        raise (StorageError if io_error else CheckpointCorrupt)(message) from None
+    state = planner.original_state_dict  # the template-free planner builds the state itself
+    paths = state.pop(INT_KEYS, None) or []
+    return decode_int_keys(state, paths)
+
+
 # ---------------------------------------------------------------- the job's checkpoints
+
+_group_lock = threading.Lock()
+_checkpoint_group: Any = None
+_in_flight: "_PendingSave | None" = None
 
 
 def job_checkpoints() -> CheckpointStore:
@@ -238,35 +396,175 @@ def job_checkpoints() -> CheckpointStore:
     return CheckpointStore(store, job_id, keep=current_context().checkpoint.keep)
 
 
-def save_checkpoint(state: dict, step: int) -> str:
-    """Commit ``state`` (tensors, state dicts, numbers, strings) as the checkpoint at ``step``.
+def _save_group() -> tuple[bool, Any]:
+    """(this rank writes, process group or None). Collective the first time (makes the group)."""
+    global _checkpoint_group
+    from torchrelay.train.context import current_context
 
-    Call it on every rank: the prepared optimizer's ``before_checkpoint()`` runs first where it
-    has one (final averaging makes it a collective), and ``state``'s tensors should be the live
-    ones (``state_dict()`` shares storage) so they hold its result. Then the main rank writes;
-    every rank gets the checkpoint URL without waiting for the write. Raises ``StorageError`` (unwritable store, full disk) on the main rank, leaving the
-    previous checkpoint loadable.
+    ctx = current_context()
+    if ctx.strategy.kind == "parameter_server":
+        return ctx.is_main, None  # server ranks never join a collective: worker 0 writes alone
+    if not (dist.is_available() and dist.is_initialized()):
+        return ctx.is_main, None  # ranks without a process group cannot agree: the main one writes
+    if dist.get_world_size() == 1:
+        return True, None
+    with _group_lock:
+        if _checkpoint_group is None:
+            # async saves run their collectives from a background thread: they need a group of
+            # their own (gloo, which also serves nccl jobs' CPU copies), or they would interleave
+            # with training's collectives on the default group
+            _checkpoint_group = dist.new_group(backend="gloo")
+        return True, _checkpoint_group
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    step: int
+    url: str
+    staged: Future
+    done: Future
+    checkpoints: CheckpointStore
+    hooks: list[Any] = dataclasses.field(default_factory=list)
+
+
+def wait_for_staging() -> None:
+    """Block until the in-flight async save holds its own copy of the state (no-op without one)."""
+    pending = _in_flight
+    if pending is not None:
+        try:
+            pending.staged.result()
+        except BaseException:  # the error is raised by wait_for_checkpoint
+            pass
+        _remove_hooks(pending)
+
+
+def _remove_hooks(pending: _PendingSave) -> None:
+    hooks, pending.hooks = pending.hooks, []
+    for handle in hooks:
+        handle.remove()
+
+
+def wait_for_checkpoint() -> str | None:
+    """Block until the in-flight async save is committed; its URL, or None when none was in flight.
+
+    Raises ``StorageError`` (on every rank) when that save failed; the previous checkpoint stays
+    loadable. Call it before the process ends (``shutdown()`` should).
     """
-    from torchrelay.train.artifacts import serialize
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is None:
+        return None
+    try:
+        pending.done.result()
+    except CheckpointException as exc:
+        raise pending.checkpoints._save_failed(pending.step, exc) from None
+    except StorageError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"checkpoint of step {pending.step} at {pending.url} was not saved: {exc}") from exc
+    finally:
+        _remove_hooks(pending)
+    return pending.url
+
+
+def _guard(pending: _PendingSave, guarded: Iterable[Any]) -> None:
+    """Make ``guarded`` optimizers' step() and modules' forward() wait for the staging copy."""
+    def wait(*_args: Any, **_kwargs: Any) -> None:
+        wait_for_staging()
+
+    for obj in guarded:
+        if isinstance(obj, torch.optim.Optimizer):
+            pending.hooks.append(obj.register_step_pre_hook(wait))
+        elif isinstance(obj, torch.nn.Module):
+            pending.hooks.append(obj.register_forward_pre_hook(wait))
+
+
+def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: Iterable[Any] = ()) -> str:
+    """Commit ``state`` (tensors, state dicts, numbers, strings) as the checkpoint at ``step``; its URL.
+
+    Call it on every rank, with the live tensors (``state_dict()`` shares storage). The prepared
+    optimizer's ``before_checkpoint()`` runs first where it has one (final averaging: a
+    collective). Replicated tensors are written once, spread over the ranks; keys that only one
+    rank has (per-rank RNG states) are written by that rank.
+
+    ``async_`` (default: the job policy's ``async``) returns as soon as a background copy of the
+    state has started; the prepared optimizer and the objects in ``guard`` (optimizers, modules)
+    wait for that copy before they change the tensors. At most one save is in flight: this call
+    first waits for the previous one. Raises ``StorageError`` (full disk, unwritable store) on
+    every rank, for this save or a failed previous async one; the previous checkpoint stays
+    loadable.
+    """
+    global _in_flight
     from torchrelay.train.context import current_context, current_optimizer
 
     before = getattr(current_optimizer(), "before_checkpoint", None)
     if callable(before):
         before()  # e.g. final averaging: the checkpoint holds the consensus (collective)
+    ctx = current_context()
+    async_ = ctx.checkpoint.async_ if async_ is None else bool(async_)
     checkpoints = job_checkpoints()
-    name = step_dirname(step)
-    if not current_context().is_main:
-        return checkpoints.url(name)
-    return checkpoints.save({STATE_FILE: serialize(state)}, step)
+    url = checkpoints.url(step_dirname(step))
+    wait_for_checkpoint()
+    writes, group = _save_group()
+    if not writes:
+        return url
+    if not async_:
+        return checkpoints.save(state, step, group=group)
+    stager, uploader = _async_workers()
+    staged = stager.stage(_prepare_state(state))  # a Future: the copy runs in the stager's thread
+    writer = checkpoints.writer(step)
+
+    def upload() -> None:
+        dcp.save(staged.result(), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+                 no_dist=group is None)
+
+    pending = _PendingSave(step=step, url=url, staged=staged, done=uploader.submit(upload), checkpoints=checkpoints)
+    pending.done.add_done_callback(lambda f, p=pending: _report_failure(p, f))
+    _guard(pending, [current_optimizer(), *guard])
+    _in_flight = pending
+    return url
+
+
+_workers: tuple[DefaultStager, ThreadPoolExecutor] | None = None
+
+
+def _async_workers() -> tuple[DefaultStager, ThreadPoolExecutor]:
+    """The process's staging copier and its upload thread, made once.
+
+    What ``dcp.async_save`` does, with both threads kept: it starts a new upload thread per
+    save, and starting a thread on a busy machine blocked the caller for tens of ms here. The
+    stager also keeps its CPU copies between saves (at most one in flight), so no save after the
+    first allocates.
+    """
+    global _workers
+    with _group_lock:
+        if _workers is None:
+            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                  use_async_staging=True, use_non_blocking_copy=False))
+            uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ckpt-upload")
+            for pool in (stager._staging_executor, uploader):  # start both threads now, not on a save
+                if pool is not None:
+                    pool.submit(lambda: None).result()
+            _workers = (stager, uploader)
+        return _workers
+
+
+def _report_failure(pending: _PendingSave, future: Future) -> None:
+    error = future.exception()
+    if error is not None:
+        log.error("async checkpoint of step %d at %s failed (raised by the next save or wait_for_checkpoint): %s",
+                  pending.step, pending.url, error)
 
 
 def load_checkpoint() -> tuple[Any, int] | None:
     """(state, step) of the newest checkpoint that verifies, or None when there is none.
 
-    Tensors land on the CPU (``load_state_dict`` moves them). Corrupt ones are skipped with a
-    warning naming each and why.
+    Call it on every rank (collective). Tensors land on the CPU (``load_state_dict`` moves
+    them). Corrupt ones are skipped with a warning naming each and why.
     """
-    loaded = job_checkpoints().load(decode=decode_files)
+    wait_for_checkpoint()
+    writes, group = _save_group()
+    loaded = job_checkpoints().load(decode=decode_files, group=group)
     return None if loaded is None else (loaded.state, loaded.step)
 
 

@@ -3,16 +3,17 @@
 One checkpoint folder holds, per rank ``r`` (the rank in the checkpoint's process group)::
 
     __<r>_<i>.distcp      tensor bytes as they lie in memory (no pickle) and torch.save'd non-tensor values
-    __<r>_digests.json    {file: {"sha256", "size"}} of that rank's .distcp files
     .metadata             DCP's ``Metadata`` (pickled by the coordinator, rank 0)
 
 Contract:
 - ``StoreWriter`` is a DCP ``StorageWriter``: ``dcp.save``/``dcp.async_save`` plan the save
   (DCP's planner spreads replicated tensors over the ranks, each rank writes its share), each
   rank writes its items into ``threads`` files at once, hashing every chunk as it goes, and
-  fsyncs them (local stores). The coordinator calls ``on_start()`` before any rank writes (the
-  folder is cleared there) and ``on_commit(entries)`` last, with sha256 and size of every file
-  of every rank: that is where the caller writes its manifest. Write errors are
+  fsyncs them (local stores). Each file's sha256 and size reach the coordinator inside the
+  write results DCP gathers (an extra result per file, taken out again before ``.metadata`` is
+  written). The coordinator calls ``on_start()`` before any rank writes (the folder is cleared
+  there) and ``on_commit(entries)`` last, with sha256 and size of every file of every rank:
+  that is where the caller writes its manifest. Write errors are
   ``StorageError`` naming the file and the cause (DCP reports them on every rank).
 - Why not ``FileSystemWriter``: it ``torch.save``s every tensor into the stream (a zip per
   tensor, written through Python file objects) and hashes nothing; measured here single-threaded
@@ -30,19 +31,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import json
 import os
 import pickle
 import posixpath
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
+from torch.futures import Future  # DCP waits on torch futures (.wait()), not concurrent ones
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from torchrelay.errors import CheckpointCorrupt, NotFound, StorageError
@@ -50,7 +52,7 @@ from torchrelay.storage import ArtifactStore, _describe
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
-DIGESTS_SUFFIX = "digests.json"
+DIGEST_FQN = "\x00torchrelay-digest/"  # no state key starts with NUL
 CHUNK_BYTES = 8 << 20  # large enough that write() and sha256 release the GIL for long stretches
 DEFAULT_THREADS = 4
 
@@ -96,7 +98,7 @@ def digest_entry(data: bytes) -> dict[str, Any]:
 _ALLOWED_METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta")
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {("torch", "Size"), ("collections", "OrderedDict")}
 
 
@@ -180,14 +182,13 @@ class StoreWriter(StorageWriter):
         groups = split_into_files(plan.items, self.threads)
         jobs = [(f"{prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(groups)]
         results: list[WriteResult] = []
-        digests: dict[str, dict[str, Any]] = {}
         if jobs:
             with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="relay-ckpt-write") as pool:
                 for name, file_results, entry in pool.map(lambda job: self._write_file(*job, planner), jobs):
                     results.extend(file_results)
-                    digests[name] = entry
-        self.store.put_bytes(posixpath.join(self.folder, f"{prefix}{DIGESTS_SUFFIX}"),
-                             json.dumps(digests, sort_keys=True).encode())
+                    # the file's digest travels to the coordinator with the results (finish() takes it out)
+                    results.append(WriteResult(index=MetadataIndex(f"{DIGEST_FQN}{name}"), size_in_bytes=0,
+                                               storage_data=entry))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -226,20 +227,18 @@ class StoreWriter(StorageWriter):
         return name, results, {"sha256": hasher.hexdigest(), "size": offset}
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        everything = [r for rank_results in results for r in rank_results]
+        entries = {r.index.fqn[len(DIGEST_FQN):]: r.storage_data for r in everything
+                   if r.index.fqn.startswith(DIGEST_FQN)}
+        metadata.storage_data = {r.index: r.storage_data for r in everything if not r.index.fqn.startswith(DIGEST_FQN)}
         metadata.storage_meta = None
-        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.store.put_bytes(posixpath.join(self.folder, METADATA_FILE), metadata_bytes)
-        entries = {METADATA_FILE: digest_entry(metadata_bytes)}
-        for rank in range(len(results)):
-            digests_name = f"__{rank}_{DIGESTS_SUFFIX}"
-            raw = self.store.get_bytes(posixpath.join(self.folder, digests_name))
-            entries[digests_name] = digest_entry(raw)
-            entries.update(json.loads(raw))
-        missing = {r.storage_data[0] for rank_results in results for r in rank_results} - set(entries)
+        missing = {location[0] for location in metadata.storage_data.values()} - set(entries)
         if missing:
             raise StorageError(f"checkpoint files {sorted(missing)} of {self.store.url_of(self.folder)} "
                                "have no digest; the save did not finish on every rank")
+        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self.store.put_bytes(posixpath.join(self.folder, METADATA_FILE), metadata_bytes)
+        entries[METADATA_FILE] = digest_entry(metadata_bytes)
         if self.on_commit is not None:
             self.on_commit(entries)
 

@@ -12,12 +12,16 @@ Contract:
   computes the same plan from the same gathered numbers; rank 0's is broadcast to be sure.
 - Blocks built on the meta device are materialised only on the stage that runs them (block
   ``i`` initialised with seed ``seed + i``); blocks already on a device are moved.
+- Rank 0 writes the plan to ``$RELAY_METRICS_DIR/pipeline-plan.json`` (``publish_plan``)
+  when that variable is set, for ``relay status`` to show.
 - ``Pipeline.state_dict()`` holds only this stage's blocks, keyed by global block index
   (``"blocks.<i>.<param>"``), so stage checkpoints stitch into the whole model
   (``merge_stage_state_dicts``) and load into any other cut.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -191,8 +195,29 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                                microbatches=strategy.microbatches, loss_fn=loss_fn,
                                schedule=strategy.schedule, device=device, group=pp_group,
                                dp_group=dp_group)
+    if rank == 0:
+        publish_plan(the_plan)
     return Pipeline(plan=the_plan, stage=stage, replica=replica, num_stages=num_stages,
                     blocks=own, runner=runner)
+
+
+PLAN_FILE = "pipeline-plan.json"
+
+
+def publish_plan(plan: Plan, env=os.environ) -> str | None:
+    """Write ``plan.to_dict()`` (and its text) to ``$RELAY_METRICS_DIR/pipeline-plan.json``
+    for the agent to ship and ``relay status`` to show; atomic (temp file + rename).
+    Returns the path, or None outside a torchrelay job (no ``RELAY_METRICS_DIR``)."""
+    folder = env.get("RELAY_METRICS_DIR")
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, PLAN_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**plan.to_dict(), "text": plan.describe()}, f)
+    os.replace(tmp, path)
+    return path
 
 
 def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,

@@ -8,7 +8,8 @@ library calls, on every rank:
 - ``run_server_role_if_assigned(ctx)`` — on a server rank it serves until every worker has
   finished and then ends the process with exit code 0 (it never returns there); on a worker
   rank, or when the strategy is not ``parameter_server``, it returns at once.
-- ``worker_world(ctx) -> (rank, num_workers)`` — the world to shard data over: workers only.
+- ``worker_world(ctx) -> (rank, num_workers)`` — the world to shard data over: workers only;
+  ``worker_process_group()`` — a workers-only process group for collectives among workers.
 - ``prepare(model, optimizer, strategy, ctx) -> (model, optimizer)`` — on a worker: the model
   is the same module with its parameters moved into flat buffers, the optimizer a
   ``PSOptimizer`` whose ``step()`` pushes gradients and pulls fresh parameters (the optimizer
@@ -18,7 +19,7 @@ library calls, on every rank:
 ``ctx`` is duck-typed: ``.rank``, ``.world_size``; optional ``.strategy`` (else the
 ``RELAY_STRATEGY`` environment variable) and ``.store`` (else the default process group's store,
 else ``TORCHRELAY_PS_STORE=host:port``). Servers must not be asked to join collectives on
-the default process group: workers use point-to-point messages to the servers only.
+the default process group: collectives among workers go over ``worker_process_group()``.
 Environment knobs: ``TORCHRELAY_PS_HOST`` (address servers publish),
 ``TORCHRELAY_PS_MAX_SHARD_RESTARTS`` (default 3), ``TORCHRELAY_PS_RECONNECT_S`` (default 120).
 """
@@ -35,7 +36,8 @@ from torchrelay.spec import ParameterServerStrategy
 from torchrelay.train.ps.client import PSOptimizer
 from torchrelay.train.ps.rendezvous import ShardDirectory, advertised_host, resolve_store
 
-__all__ = ["PSOptimizer", "prepare", "run_server_role_if_assigned", "worker_world", "strategy_of"]
+__all__ = ["PSOptimizer", "prepare", "run_server_role_if_assigned", "worker_world", "worker_process_group",
+           "strategy_of"]
 
 
 def strategy_of(ctx: Any) -> Any:
@@ -88,6 +90,12 @@ def run_server_role_if_assigned(ctx: Any) -> None:
     if strategy is None:
         return
     workers = _num_workers(ctx, strategy)
+    global _WORKER_GROUP
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and _WORKER_GROUP is None:
+        # new_group is collective over the whole world: made here, where every rank passes.
+        _WORKER_GROUP = dist.new_group(ranks=list(range(workers)))
     if int(ctx.rank) < workers:
         return
     from torchrelay.train.ps.server import serve_shard_supervised
@@ -102,6 +110,17 @@ def run_server_role_if_assigned(ctx: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+_WORKER_GROUP: Any = None
+
+
+def worker_process_group() -> Any:
+    """The workers-only process group (for barriers, metric reductions, checkpoint
+    coordination among workers), made by ``run_server_role_if_assigned`` when a default
+    process group exists; None otherwise. Never use the default group for collectives in a
+    parameter-server job: the server ranks do not take part in them."""
+    return _WORKER_GROUP
 
 
 def prepare(model: torch.nn.Module, optimizer: Any, strategy: ParameterServerStrategy,

@@ -19,7 +19,8 @@ Contract:
   full tensors keyed by parameter name (independent of how many servers there are);
   ``load_state_dict(sd)`` scatters it back. Call it on every worker: the servers apply a
   given checkpoint once, the other calls only align the caller's clock and parameters.
-- ``close()`` tells every shard this worker is done. Idempotent; also run at exit.
+- ``close()`` tells every shard this worker is done (giving up on a shard after 5 s, with a
+  line on stderr). Idempotent; also run at exit.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import concurrent.futures
 import json
 import random
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -40,9 +42,14 @@ from torchrelay.train.ps.rendezvous import ShardDirectory
 from torchrelay.train.ps.server import buffers_for
 
 
+def trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the servers keep: those that require grad (frozen ones stay local)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def layout_of(model: torch.nn.Module) -> list[ParamSpec]:
     out = []
-    for name, p in model.named_parameters():
+    for name, p in trainable(model):
         dtype = str(p.dtype).removeprefix("torch.")
         if dtype not in ITEMSIZE:
             raise ValueError(f"parameter {name!r} has dtype {p.dtype}; the parameter server "
@@ -56,7 +63,7 @@ class FlatModel:
 
     def __init__(self, model: torch.nn.Module, plan: Plan) -> None:
         self.model = model
-        self.params = [p for _, p in model.named_parameters()]
+        self.params = [p for _, p in trainable(model)]
         self.device = self.params[0].device
         self.on_cpu = self.device.type == "cpu"
         self.param_flat = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
@@ -161,11 +168,11 @@ class _ShardLink:
             reason = P.recv_bytes(self.sock, reply.payload_len).decode(errors="replace")
             self.close()
             raise P.ProtocolError(f"parameter-server shard {self.index} refused {header.op.name}: {reason}")
-        if reply.op == P.Op.PARAMS and reply_into is not None:
-            if reply.payload_len != len(reply_into):
+        if reply_into is not None:
+            if reply.op != P.Op.PARAMS or reply.payload_len != len(reply_into):
                 self.close()
-                raise P.ProtocolError(f"shard {self.index} sent {reply.payload_len} parameter bytes; "
-                                      f"expected {len(reply_into)}")
+                raise P.ProtocolError(f"shard {self.index} answered {header.op.name} with {reply.op.name} "
+                                      f"of {reply.payload_len} bytes; expected PARAMS of {len(reply_into)}")
             P.recv_exact_into(self.sock, reply_into)
             return reply, b""
         return reply, P.recv_bytes(self.sock, reply.payload_len)
@@ -386,7 +393,13 @@ class PSOptimizer:
             self._closed = True
         try:  # sequential: at interpreter exit the thread pool no longer takes work
             for i, link in enumerate(self.links):
-                link.request(self._header(P.Op.DONE, i), [], hello=self._hello(i))
+                # a worker exiting because the job is going down must not hang here
+                link.reconnect_timeout_s = min(link.reconnect_timeout_s, 5.0)
+                try:
+                    link.request(self._header(P.Op.DONE, i), [], hello=self._hello(i))
+                except (OSError, P.ProtocolError) as exc:
+                    print(f"torchrelay.ps: could not tell shard {i} that worker {self.rank} is done: {exc}",
+                          file=sys.stderr, flush=True)
         finally:
             for link in self.links:
                 link.close()
