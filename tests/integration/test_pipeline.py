@@ -63,7 +63,8 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
         for case in rank_result["cases"]:
             cases.setdefault(case["name"], []).append(case)
     expected = {"mlp-lean-gpipe", "mlp-lean-1f1b", "mlp-torch-gpipe", "mlp-torch-1f1b",
-                "mlp-torch-interleaved_1f1b", "lm-lean-1f1b-auto", "lm-torch-1f1b-auto"}
+                "mlp-torch-interleaved_1f1b", "lm-lean-1f1b-auto", "lm-torch-1f1b-auto",
+                "charlm-lean-gpipe"}
     assert set(cases) == expected
     for name, per_rank in cases.items():
         assert len(per_rank) == 2, name
@@ -218,6 +219,14 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
             case, _, _ = run_case(f"lm-{runtime}-1f1b-auto", lm, lm_data, lm_loss, "1f1b",
                                   runtime, None)
             result["cases"].append(case)
+        # the example char LM (examples/charlm/model.py), whole model given as nn.Sequential
+        from examples.charlm.model import CharLM, CharLMConfig
+        from examples.charlm.model import lm_loss as charlm_loss
+        config = CharLMConfig(vocab_size=vocab, context=context, d_model=32, n_heads=2,
+                              n_layers=2)
+        case, _, _ = run_case("charlm-lean-gpipe", lambda: list(CharLM(config)), lm_data,
+                              charlm_loss, "gpipe", "lean", [0, 2])
+        result["cases"].append(case)
         errors = {}
         for label, kwargs in [("stages", {"strategy": PipelineStrategy(kind="pipeline",
                                                                        stages=3)}),

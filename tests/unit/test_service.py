@@ -259,3 +259,16 @@ def test_lost_node_restart_is_not_counted(svc):
     info = svc.get_job(job.id)
     assert info.state == JobState.RESTARTING and info.restarts == 0
     assert launches_of(svc, n2)[0].attempt == 2
+
+
+def test_queue_view_orders_waiting_jobs_with_reasons(svc):
+    add_node(svc, "a", cpus=2)
+    first = svc.submit(spec(workers=2), None, "u1")
+    second = svc.submit(spec(workers=2), None, "u2")
+    high = svc.submit(spec(workers=2, priority=5), None, "u3")
+    svc.tick()
+    assert svc.get_job(high.id).state == JobState.SCHEDULED  # priority first
+    view = svc.queue_view()
+    assert [r["id"] for r in view] == [first.id, second.id]
+    assert [r["position"] for r in view] == [1, 2] and all(r["reason"] for r in view)
+    assert svc.get_job(first.id).state == JobState.QUEUED  # the view changed nothing

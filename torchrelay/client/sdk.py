@@ -128,6 +128,10 @@ class RelayClient:
             params["state"] = state
         return [JobInfo.model_validate(x) for x in self._get("/jobs", params=params)]
 
+    def queue(self) -> list[dict[str, Any]]:
+        """Waiting jobs in scheduling order: position, id, reason, estimated_start (epoch s or None)."""
+        return self._get("/queue")
+
     def job(self, job_id: str) -> JobInfo:
         return JobInfo.model_validate(self._get(f"/jobs/{job_id}"))
 

@@ -95,6 +95,11 @@ def create_app(service: ClusterService) -> FastAPI:
     def list_jobs(state: str | None = None, limit: int = Query(100, ge=1, le=10000)) -> list[JobInfo]:
         return svc.list_jobs(state, limit)
 
+    @api.get("/queue")
+    def queue() -> list[dict[str, Any]]:
+        """Waiting jobs in scheduling order with reason and estimated start (null if unknown)."""
+        return svc.queue_view()
+
     @api.get("/jobs/{job_id}", response_model=JobInfo)
     async def get_job(job_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S),
                       known_state: str | None = None) -> JobInfo:

@@ -83,6 +83,8 @@ class ClusterService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._spec_cache: dict[int, JobSpec] = {}
+        self.min_tick_interval_s = 0.02  # a burst of submits shares one scheduling cycle
 
     # ------------------------------------------------------------ background loop
 
@@ -113,6 +115,7 @@ class ClusterService:
             except Exception:  # the loop must survive a bad row; the error is logged
                 import logging
                 logging.getLogger("torchrelay.server").exception("scheduler tick failed")
+            self._stop.wait(self.min_tick_interval_s)
             self._wake.wait(self.tick_s)
             self._wake.clear()
 
@@ -363,6 +366,13 @@ class ClusterService:
 
     # ------------------------------------------------------------ internals: lookups
 
+    def _spec(self, row: JobRow) -> JobSpec:
+        """The job's parsed spec; specs never change after submit, so parsing once is enough."""
+        spec = self._spec_cache.get(row.seq)
+        if spec is None:
+            spec = self._spec_cache[row.seq] = JobSpec.parse(row.spec)
+        return spec
+
     def _job(self, s: Session, job_id: str) -> JobRow:
         seq = job_seq_of(job_id)
         row = s.get(JobRow, seq) if seq is not None else None
@@ -465,7 +475,7 @@ class ClusterService:
             self._stop_launches(s, row, f"attempt {row.attempt} failed: {failure.reason}")
             if not all_exited:
                 return
-            spec = JobSpec.parse(row.spec)
+            spec = self._spec(row)
             if all(x.infra for x in failed):
                 row.restart_reasons = [*(row.restart_reasons or []), failure.model_dump()]
                 self._set_state(s, row, JobState.RESTARTING,
@@ -530,7 +540,7 @@ class ClusterService:
         now = self.clock()
         for row in s.scalars(select(JobRow).where(JobRow.state == JobState.RUNNING.value,
                                                   JobRow.last_progress_at.is_not(None))):
-            timeout = JobSpec.parse(row.spec).hang_timeout_s
+            timeout = self._spec(row).hang_timeout_s
             if not timeout or now - row.last_progress_at <= timeout:
                 continue
             row.last_progress_at = None
@@ -543,13 +553,14 @@ class ClusterService:
 
     # ------------------------------------------------------------ internals: scheduling
 
-    def _schedule(self, s: Session) -> None:
+    def _policy_input(self, s: Session) -> tuple[policy.SchedulerInput, dict[str, tuple[JobRow, JobSpec]]]:
+        """What the policy sees now: nodes, jobs holding resources, and the queue."""
         nodes = self._node_views(s, include_lost=True)
         running, queue, rows = [], [], {}
         for row in s.scalars(select(JobRow).where(JobRow.state.in_(
                 [JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
                  JobState.RESTARTING.value, JobState.CANCELLING.value])).order_by(JobRow.seq)):
-            spec = JobSpec.parse(row.spec)
+            spec = self._spec(row)
             live = self._live_launches(s, row) if row.attempt else []
             if live:
                 running.append(policy.Allocation(
@@ -560,10 +571,35 @@ class ClusterService:
             elif row.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(queued_job(row, spec))
                 rows[row.id] = (row, spec)
-        if not queue:
+        inp = policy.SchedulerInput(nodes=tuple(nodes), running=tuple(running), queue=tuple(queue),
+                                    now=self.clock())
+        return inp, rows
+
+    def queue_view(self) -> list[dict[str, Any]]:
+        """The waiting jobs in the order the policy considers them, each with why it waits and,
+        where declared max runtimes allow, its estimated start. Changes nothing."""
+        with self._lock, self._sessions() as s:
+            inp, rows = self._policy_input(s)
+            if not inp.queue:
+                return []
+            decisions = policy.schedule(inp)
+        placed = {p.job_id for p in decisions.placements}
+        order = list(decisions.order) or [q.job_id for q in inp.queue]
+        out = []
+        for position, job_id in enumerate(order, 1):
+            row, spec = rows[job_id]
+            out.append({"position": position, "id": job_id, "name": row.name, "user": row.user,
+                        "priority": row.priority, "workers": process_count(spec), "state": row.state,
+                        "submitted_at": row.submitted_at,
+                        "reason": "starting" if job_id in placed else decisions.waiting.get(job_id, ""),
+                        "estimated_start": decisions.estimated_start.get(job_id)})
+        return out
+
+    def _schedule(self, s: Session) -> None:
+        inp, rows = self._policy_input(s)
+        if not inp.queue:
             return
-        decisions = policy.schedule(policy.SchedulerInput(
-            nodes=tuple(nodes), running=tuple(running), queue=tuple(queue), now=self.clock()))
+        decisions = policy.schedule(inp)
         by_id = {n.id: n for n in s.scalars(select(NodeRow))}
         for placement in decisions.placements:
             row, spec = rows[placement.job_id]
@@ -604,7 +640,7 @@ class ClusterService:
 
     def _assignment(self, s: Session, launch: LaunchRow) -> LaunchAssignment:
         row = s.get(JobRow, launch.job_seq)
-        spec = JobSpec.parse(row.spec)
+        spec = self._spec(row)
         head = s.scalars(select(LaunchRow).where(LaunchRow.job_seq == launch.job_seq,
                                                  LaunchRow.attempt == launch.attempt,
                                                  LaunchRow.node_rank == 0)).first()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from torchrelay.client.cli import agent, download, jobs, logs, metrics, nodes, run, server, submit, up
+from torchrelay.client.cli import agent, download, jobs, logs, metrics, nodes, queue, run, server, submit, up
 
 app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -14,6 +14,7 @@ app.command("agent")(agent.agent)
 app.command("submit")(submit.submit)
 app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run.run)
 app.command("ls")(jobs.ls)
+app.command("queue")(queue.queue)
 app.command("status")(jobs.status)
 app.command("cancel")(jobs.cancel)
 app.command("logs")(logs.logs)
