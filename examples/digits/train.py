@@ -49,43 +49,36 @@ def main(argv: list[str] | None = None) -> None:
     steps_per_epoch = len(loader)
     total_steps = steps_per_epoch * args.epochs
 
-    step = 0
-    resumed = rt.load_checkpoint()
-    if resumed is not None:
-        state, step = resumed
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if ctx.is_main:
-            print(f"resumed from the checkpoint at step {step}", flush=True)
+    state = rt.TrainState(model, optimizer, loader)  # model, optimizer, position in the data, RNGs
+    if state.restore() and ctx.is_main:
+        print(f"resumed from the checkpoint at step {state.step}", flush=True)
 
     def checkpoint_due(at: int) -> bool:
         if args.checkpoint_every is None:
             return rt.checkpoint_due(at)
         return args.checkpoint_every > 0 and at % args.checkpoint_every == 0
 
-    for epoch in range(step // steps_per_epoch, args.epochs):
-        loader.sampler.set_epoch(epoch)
+    for epoch in state.epochs(args.epochs):  # sets the sampler's epoch; a resumed job starts mid-epoch
         model.train()
         last = time.perf_counter()
-        for index, (images, labels) in enumerate(loader):
-            if epoch * steps_per_epoch + index < step:
-                last = time.perf_counter()
-                continue  # done before the resume; skipping keeps the same data order
+        loss = None
+        for images, labels in state.batches():  # this epoch's batches not trained yet; state.step counts them
             images, labels = images.to(ctx.device), labels.to(ctx.device)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(images), labels)
             loss.backward()
             optimizer.step()
-            step += 1
             now = time.perf_counter()
-            rt.report(step, loss=loss.item(), samples_per_s=len(labels) * ctx.world_size / (now - last),
+            rt.report(state.step, loss=loss.item(), samples_per_s=len(labels) * ctx.world_size / (now - last),
                       step_time_s=now - last, total_steps=total_steps, epoch=epoch)
             last = now
-            if checkpoint_due(step):
-                rt.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                    "step": step}, step)
-        if ctx.is_main:
-            print(f"epoch {epoch + 1}/{args.epochs} step {step}/{total_steps} loss={loss.item():.4f}", flush=True)
+            if checkpoint_due(state.step):
+                state.save()  # every rank; async when the job's checkpoint policy says so
+        if ctx.is_main and loss is not None:
+            print(f"epoch {epoch + 1}/{args.epochs} step {state.step}/{total_steps} loss={loss.item():.4f}",
+                  flush=True)
+    step = state.step
+    rt.wait_for_checkpoint()  # an async save still in flight is committed before the job ends
 
     rt.finish()  # replicas agree before the final figure (a no-op for DDP; averages for final_average)
     if ctx.is_main:

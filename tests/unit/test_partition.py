@@ -161,8 +161,9 @@ def test_dp_equals_exhaustive_search(blocks, devices, bandwidth, schedule, micro
         return
     plan = plan_stages(blocks, devices, link, microbatches, schedule)
     assert plan.bottleneck_s == pytest.approx(reference.bottleneck_s, rel=1e-9, abs=1e-12)
-    assert sum(s.time_s for s in plan.stages) == pytest.approx(
-        sum(s.time_s for s in reference.stages), rel=1e-6, abs=1e-9)
+    # among (near-)optimal cuts the DP takes the least summed time: never more than the reference
+    assert sum(s.time_s for s in plan.stages) <= sum(
+        s.time_s for s in reference.stages) * (1 + 1e-9) + 1e-12
     assert all(s.mem_cap_bytes is None or s.mem_bytes <= s.mem_cap_bytes for s in plan.stages)
     assert [len(s.blocks) for s in plan.stages] and all(len(s.blocks) >= 1 for s in plan.stages)
 

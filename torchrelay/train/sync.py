@@ -294,6 +294,7 @@ class DiLoCoOuter(SyncRule):
                  every: int, outer_lr: float, outer_momentum: float) -> None:
         super().__init__(params, comm)
         self.schedule = PeriodicSchedule(every=every)
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
             self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
@@ -345,6 +346,8 @@ class DiLoCoOuter(SyncRule):
                                   f"match the model's {tuple(g_param.shape)}; resume with the same model")
             g_param.copy_(value)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        for group in self.outer_optimizer.param_groups:  # the job's spec wins over the checkpoint's
+            group.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
 
 
 def _by_dtype_indices(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
