@@ -27,6 +27,10 @@ Contract:
   ``||theta_rank - mean(theta)|| / ||mean(theta)||`` over all synchronised parameters.
 - ``state_dict()`` holds the inner optimizer's state, the step counter and each rule's state
   (DiLoCo's global parameters and outer optimizer), so a resumed job keeps its schedule.
+- ``finish()`` (and the module's ``finish(model, optimizer)``) averages replicas that differ
+  at the end; ``before_checkpoint()`` does so for final_average only. Both are idempotent.
+- local_sgd's warm-up averages gradients inside ``step()``, not in backward: gradient
+  clipping placed before ``step()`` sees local gradients there (ddp's sees averaged ones).
 - Only trainable parameters are synchronised (like ``torch.distributed``'s model averagers);
   buffers are not. With world size 1 no collective is called and nothing is wrapped.
 """
