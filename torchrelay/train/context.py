@@ -278,16 +278,12 @@ def prepare(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, An
     if kind == "pipeline":
         raise InvalidSpec("strategy kind 'pipeline' cannot be applied by torchrelay.train.prepare(model, "
                           "optimizer): a pipeline cuts the model into stages; use torchrelay.train.pipeline")
-    if kind == "ddp":
-        model = model.to(ctx.device)
-        if ctx.world_size > 1:
-            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-        else:
-            wrapped = LocalModule(model)
+    if kind == "ddp" and ctx.world_size == 1:
         _optimizer = optimizer
-        return wrapped, optimizer
-    module_name = {"local_sgd": "torchrelay.train.sync", "diloco": "torchrelay.train.sync",
+        return LocalModule(model.to(ctx.device)), optimizer
+    # ddp goes through sync.prepare too: DistributedDataParallel with a hook that counts the
+    # bytes each step sends, so every strategy reports `bytes_sent` the same way
+    module_name = {"ddp": "torchrelay.train.sync", "local_sgd": "torchrelay.train.sync", "diloco": "torchrelay.train.sync",
                    "final_average": "torchrelay.train.sync", "parameter_server": "torchrelay.train.ps"}.get(kind)
     if module_name is None:
         raise InvalidSpec(f"strategy kind {kind!r} is not known to torchrelay.train.prepare")
