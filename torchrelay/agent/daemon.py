@@ -192,7 +192,8 @@ class _Runner:
             if status is not None:
                 break
             if self.stop_requested.is_set():
-                status = launch.stop(self.agent.stop_grace_s)
+                # the job's own grace (spec.stop_grace_s) lets workers commit a checkpoint on SIGTERM
+                status = launch.stop(self.assignment.stop_grace_s)
                 break
         self._exit(status)
 

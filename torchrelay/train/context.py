@@ -219,6 +219,10 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
             ctx.backend = chosen_backend
     _context = ctx
     _report_module().install_writer(ctx.rank)
+    if os.environ.get("RELAY_JOB_ID"):
+        from torchrelay.train import preempt
+
+        preempt.install()  # SIGTERM from the platform becomes a request to checkpoint and stop
     if ctx.strategy.kind == "parameter_server":
         ps = _import_strategy_module("torchrelay.train.ps")
         hook = getattr(ps, "run_server_role_if_assigned", None)
