@@ -101,7 +101,7 @@ def _launch(tmp_path: Path, modes: str, store: str, policy: dict) -> None:
     assert result.returncode == 0, result.stdout[-4000:]
 
 
-@pytest.mark.parametrize("async_", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_killed_two_rank_job_resumes_exactly_where_its_checkpoint_left_off(tmp_path, async_):
     import torch
 

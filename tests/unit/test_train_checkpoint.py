@@ -487,3 +487,32 @@ def test_a_failed_async_save_is_raised_by_the_next_wait(small_tmpfs, monkeypatch
         rt.wait_for_checkpoint()
     state, step = rt.load_checkpoint()
     assert step == 1 and torch.equal(state["x"], torch.ones(10))
+
+
+def test_an_async_save_in_flight_when_the_script_ends_is_still_committed(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import torch, torchrelay.train as rt\n"
+              "rt.save_checkpoint({'x': torch.ones(3)}, 1)\n"
+              "rt.save_checkpoint({'x': torch.full((1_000_000,), 2.0)}, 2, async_=True)\n")  # no wait: exits
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RELAY_OUTPUT_DIR": str(tmp_path / "out")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed" not in done.stderr, done.stderr[-2000:]
+    state, step = rt.load_checkpoint()
+    assert step == 2 and torch.equal(state["x"], torch.full((1_000_000,), 2.0))
+
+
+def test_an_async_save_of_a_model_with_buffers_holds_the_statistics_of_its_call(monkeypatch):
+    model = torch.nn.BatchNorm1d(3)
+    before = model.running_mean.clone()
+    gate = _Gate(monkeypatch)
+    rt.save_checkpoint({"model": model.state_dict()}, 1, async_=True, guard=[model])
+    model(torch.randn(8, 3) + 5.0)  # train-mode forward changes running_mean: it waits for the copy first
+    assert not torch.equal(model.running_mean, before)
+    gate.open.set()
+    rt.wait_for_checkpoint()
+    state, _ = rt.load_checkpoint()
+    assert torch.equal(state["model"]["running_mean"], before)

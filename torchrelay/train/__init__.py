@@ -31,7 +31,7 @@ from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 
 __all__ = [
-    "Context", "LocalModule", "TrainState", "artifact_url", "checkpoint_due", "current_context", "finish", "flush_metrics",
-    "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
+    "Context", "LocalModule", "TrainState", "artifact_url", "checkpoint_due", "current_context", "finish",
+    "flush_metrics", "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
     "shard", "shard_indices", "shutdown", "unwrap", "wait_for_checkpoint", "wait_for_staging",
 ]

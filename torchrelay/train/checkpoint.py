@@ -16,12 +16,13 @@ Contract:
   committed checkpoint loadable, and ``latest`` only ever names a committed one.
 - After a commit at step s, checkpoints newer than s (an abandoned earlier attempt) and all but
   the newest ``keep`` committed ones are deleted, as are uncommitted folders older than s.
-- Loading tries committed checkpoints newest first. Every file the manifest lists is hashed
+- Loading tries checkpoint folders newest first. Every file the manifest lists is hashed
   (each rank hashes a share and the ranks agree on the verdict, so all load the same step);
   a checkpoint with a missing, truncated or changed file, no manifest, or a value that would
   run code when unpickled is skipped with a warning naming it and why, and the previous one is
   tried. Nothing in a checkpoint can run code (checkpoint_dcp: raw tensor bytes,
-  ``weights_only=True``, allowlisted metadata).
+  ``weights_only=True``, allowlisted metadata). A read error (store unreachable) is raised as
+  ``StorageError``, never taken for damage: a job must not silently start over.
 - ``save_checkpoint`` is called on every rank (DCP's save is a collective on a gloo group of
   its own, so an async save never interleaves with training's collectives). Under the
   ``parameter_server`` strategy server ranks never join, so worker rank 0 writes alone.
@@ -29,7 +30,8 @@ Contract:
   has started copying the state; writing and committing happen behind training. At most one
   save is in flight: the next save (or ``wait_for_checkpoint()``) waits for it and raises its
   error. The state's tensors must not change until the copy is done: the prepared optimizer's
-  ``step()`` (and the model's forward, via ``TrainState``) wait for it by themselves.
+  ``step()`` and the objects passed as ``guard`` (``TrainState`` passes its model and
+  optimizer; a module's forward waits only if it has buffers) wait for it by themselves.
 """
 from __future__ import annotations
 
@@ -409,12 +411,13 @@ def _save_group() -> tuple[bool, Any]:
     if dist.get_world_size() == 1:
         return True, None
     with _group_lock:
-        if _checkpoint_group is None:
+        world = dist.group.WORLD
+        if _checkpoint_group is None or _checkpoint_group[0] is not world:  # none yet, or made before a re-init
             # async saves run their collectives from a background thread: they need a group of
             # their own (gloo, which also serves nccl jobs' CPU copies), or they would interleave
             # with training's collectives on the default group
-            _checkpoint_group = dist.new_group(backend="gloo")
-        return True, _checkpoint_group
+            _checkpoint_group = (world, dist.new_group(backend="gloo"))
+        return True, _checkpoint_group[1]
 
 
 @dataclasses.dataclass
@@ -433,7 +436,7 @@ def wait_for_staging() -> None:
     if pending is not None:
         try:
             pending.staged.result()
-        except BaseException:  # the error is raised by wait_for_checkpoint
+        except Exception:  # noqa: BLE001 - the upload fails with it and wait_for_checkpoint raises it
             pass
         _remove_hooks(pending)
 
@@ -468,15 +471,29 @@ def wait_for_checkpoint() -> str | None:
 
 
 def _guard(pending: _PendingSave, guarded: Iterable[Any]) -> None:
-    """Make ``guarded`` optimizers' step() and modules' forward() wait for the staging copy."""
+    """Make ``guarded`` optimizers' step() and modules' forward() (those with buffers) wait for the staging copy.
+
+    A wrapping optimizer (``train.sync``'s) is guarded through the optimizer it wraps
+    (``.inner``), whose ``step()`` is what changes the parameters.
+    """
     def wait(*_args: Any, **_kwargs: Any) -> None:
         wait_for_staging()
 
+    seen: set[int] = set()
     for obj in guarded:
-        if isinstance(obj, torch.optim.Optimizer):
-            pending.hooks.append(obj.register_step_pre_hook(wait))
-        elif isinstance(obj, torch.nn.Module):
-            pending.hooks.append(obj.register_forward_pre_hook(wait))
+        targets = [obj, getattr(obj, "inner", None)] if isinstance(obj, torch.optim.Optimizer) else [obj]
+        for target in targets:
+            if target is None or id(target) in seen:
+                continue
+            seen.add(id(target))
+            try:
+                if isinstance(target, torch.optim.Optimizer):
+                    pending.hooks.append(target.register_step_pre_hook(wait))
+                elif isinstance(target, torch.nn.Module) and next(target.buffers(), None) is not None:
+                    # forward changes buffers (batch-norm statistics); parameters change only in step()
+                    pending.hooks.append(target.register_forward_pre_hook(wait))
+            except (TypeError, AttributeError):
+                pass  # an optimizer without torch's hook table (a wrapper): its inner one is guarded
 
 
 def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: Iterable[Any] = ()) -> str:
