@@ -128,16 +128,34 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int) -> None
         times, busy = [], []
         for _ in range(n):
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             pipe.module.zero_grad(set_to_none=True)
-            c1 = time.process_time()
+            c1, th1 = time.process_time(), time.thread_time()
             dist.barrier()  # the step ends when both stages are done
             times.append(time.perf_counter() - t0)
             busy.append(getattr(pipe.runner, "last_busy_s", float("nan")))
             if name:
                 cpu.setdefault(name, []).append(c1 - c0)
+                cpu.setdefault(f"{name} main thread", []).append(th1 - th0)
+                cpu.setdefault(f"{name} compute", []).append(busy[-1])
         return times, busy
+
+    # this rank's half of the MLP alone (the other rank waits): compute without a neighbour
+    own_half = torch.nn.Sequential(*[materialize_module(b, "cpu", i) for i, b in
+                                     enumerate(mlp_meta()[:MLP["depth"] // 2])])
+
+    def isolated_half(n):
+        for who in (0, 1):
+            for _ in range(n):
+                dist.barrier()
+                if rank == who:
+                    c0 = time.thread_time()
+                    for x in torch.tensor_split(mlp_x, m_mlp):
+                        out = own_half(x.requires_grad_())
+                        out.backward(torch.ones_like(out))
+                    own_half.zero_grad(set_to_none=True)
+                    cpu.setdefault("isolated half", []).append(time.thread_time() - c0)
 
     def run_baseline(n):
         times = []
@@ -161,6 +179,7 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int) -> None
     busy_auto: list[float] = []
     for _ in range(rounds):
         samples["baseline"] += run_baseline(steps)
+        isolated_half(steps)
         for name, pipe in mlp_pipes.items():
             samples.setdefault(name, []).extend(run(pipe, mlp_x, mlp_y, steps, name)[0])
         lm_steps = max(1, steps // 2)  # 12 configurations of a slower model
@@ -241,6 +260,13 @@ def main() -> None:
         print(f"    {name:34s} {cpu0[name] * 1e3:7.2f} + {cpu1[name] * 1e3:7.2f} ms "
               f"(baseline {cpu0['baseline'] * 1e3:7.2f}; overhead {total / cpu0['baseline'] - 1:+.1%})"
               f"  -> {estimates[name]:.2f}x")
+    print("    where a step's time goes in ours 1F1B, per rank (CPU ms per step):")
+    for r, c in enumerate(res["cpu_per_rank_s"]):
+        other_main = c["lean 1f1b main thread"] - c["lean 1f1b compute"]
+        gloo = c["lean 1f1b"] - c["lean 1f1b main thread"]
+        print(f"    rank {r}: compute {c['lean 1f1b compute'] * 1e3:6.2f} (its half alone "
+              f"{c['isolated half'] * 1e3:6.2f}), rest of main thread {other_main * 1e3:5.2f}, "
+              f"other threads (gloo) {gloo * 1e3:5.2f}; wall {med['lean 1f1b'] * 1e3:6.2f}")
     plan = res["auto_plan"]
     n = res["num_lm_blocks"]
     equal_cut = (n + 1) // 2

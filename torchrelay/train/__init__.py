@@ -27,11 +27,12 @@ from torchrelay.train.checkpoint_state import TrainState
 from torchrelay.train.context import (Context, LocalModule, current_context, finish, init, prepare, shutdown,
                                       unwrap)
 from torchrelay.train.data import shard, shard_indices
+from torchrelay.train.preempt import should_stop
 from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 
 __all__ = [
     "Context", "LocalModule", "TrainState", "artifact_url", "checkpoint_due", "current_context", "finish",
     "flush_metrics", "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
-    "shard", "shard_indices", "shutdown", "unwrap", "wait_for_checkpoint", "wait_for_staging",
+    "shard", "shard_indices", "should_stop", "shutdown", "unwrap", "wait_for_checkpoint", "wait_for_staging",
 ]

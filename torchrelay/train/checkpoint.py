@@ -589,5 +589,10 @@ def checkpoint_due(step: int) -> bool:
     """True when the job's policy (``checkpoint.every_steps``) asks for a checkpoint at ``step``."""
     from torchrelay.train.context import current_context
 
+    from torchrelay.train import preempt
+
+    preempt.mark_cooperative()
+    if preempt.stop_requested():
+        return True  # the platform asked this worker to stop: commit what it has first
     every = current_context().checkpoint.every_steps
     return every > 0 and step > 0 and step % every == 0

@@ -29,6 +29,7 @@ import gc
 import importlib
 import json
 import os
+import sys
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -327,6 +328,13 @@ def shutdown() -> None:
     global _context, _optimizer
     optimizer, _optimizer = _optimizer, None
     try:
+        if _context is not None:
+            from torchrelay.train.checkpoint import wait_for_checkpoint
+
+            try:
+                wait_for_checkpoint()  # an async save still in flight needs the process group
+            except Exception as exc:  # noqa: BLE001 - reported, and shutdown must still run
+                print(f"torchrelay: the last checkpoint did not complete: {exc}", file=sys.stderr, flush=True)
         _report_module().close_writer()
         close = getattr(optimizer, "close", None)
         if callable(close):

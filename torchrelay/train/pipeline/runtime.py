@@ -14,8 +14,8 @@ Contract (both runtimes, one object per rank, built by ``prepare``):
 
 Why a runtime of our own (``LeanPipeline``): torch.distributed.pipelining spends more CPU
 per micro-batch on bookkeeping (bench/pipeline.py prints CPU time per step; for 2 stages ×
-8 MLP micro-batches on a loaded machine: torch 1F1B +14–35% and GPipe +34–69% over the
-unsplit model, this runtime +8–27% and +5–12%). This one posts every receive of the step at its start into buffers
+8 MLP micro-batches on a shared machine, over the unsplit model: torch 1F1B +14–42% and
+GPipe +34–69%, this runtime +8–27% and +5–18%; see docs/pipeline.md). This one posts every receive of the step at its start into buffers
 allocated once per input shape, sends with ``isend`` and waits for sends only at the end of
 the step, so communication overlaps compute and nothing is copied. Shapes are not exchanged
 per micro-batch: stage 0 sends one 10-integer header per step (dtype and batch shape) along
