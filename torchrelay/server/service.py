@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from torchrelay import scheduler as policy
@@ -325,10 +325,10 @@ class ClusterService:
             for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/{r.stream}"):
                 cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
                 fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
-                for r in fresh:
-                    s.add(LogRow(job_seq=row.seq, launch_id=batch.launch_id, attempt=r.attempt, rank=r.rank,
-                                 stream=r.stream, agent_seq=r.seq, text=r.text))
-                if fresh:
+                if fresh:  # one bulk INSERT: ingest runs on the same cores as the workers
+                    s.execute(insert(LogRow), [
+                        {"job_seq": row.seq, "launch_id": batch.launch_id, "attempt": r.attempt, "rank": r.rank,
+                         "stream": r.stream, "agent_seq": r.seq, "text": r.text} for r in fresh])
                     cursor.last_seq = fresh[-1].seq
                     s.merge(cursor)
                     added += len(fresh)
@@ -344,15 +344,16 @@ class ClusterService:
             for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics"):
                 cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
                 fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
-                for r in fresh:
-                    s.add(MetricRow(job_seq=row.seq, launch_id=batch.launch_id, rank=r.rank, agent_seq=r.seq,
-                                    step=r.step, time=r.time, values=r.values))
-                    if latest is None or (r.rank, -r.step) <= (latest.rank, -latest.step):
-                        latest = r
                 if fresh:
+                    s.execute(insert(MetricRow), [
+                        {"job_seq": row.seq, "launch_id": batch.launch_id, "rank": r.rank, "agent_seq": r.seq,
+                         "step": r.step, "time": r.time, "values": r.values} for r in fresh])
                     cursor.last_seq = fresh[-1].seq
                     s.merge(cursor)
                     added += len(fresh)
+                for r in fresh:
+                    if latest is None or (r.rank, -r.step) <= (latest.rank, -latest.step):
+                        latest = r
             if added and any(self._live_launches(s, row)):
                 row.last_progress_at = self.clock()
             if latest is not None:
