@@ -69,6 +69,24 @@ class Resources(_Strict):
     gpu: int = Field(default=0, ge=0)
     memory: int = Field(default=0, ge=0, description="bytes; accepts '2GiB' etc.")
     gpu_type: str | None = None
+    accelerator: Literal["none", "required", "prefer"] | None = Field(
+        default=None, description="none: CPU only; required: GPUs (of gpu_type, else any one type); prefer: "
+        "GPUs when the whole gang fits on them now, else CPUs with gpu=0. Default: required when gpu or "
+        "gpu_type is given, else none")
+
+    @model_validator(mode="after")
+    def _accelerator_consistent(self) -> "Resources":
+        if self.accelerator == "none" and (self.gpu or self.gpu_type):
+            raise ValueError(f"accelerator 'none' with gpu={self.gpu}, gpu_type={self.gpu_type!r}; drop the GPU "
+                             "request or use accelerator 'required' or 'prefer'")
+        return self
+
+    @property
+    def accelerator_mode(self) -> str:
+        """``accelerator`` with its default resolved: "none", "required" or "prefer"."""
+        if self.accelerator is not None:
+            return self.accelerator
+        return "required" if (self.gpu or self.gpu_type) else "none"
 
     @field_validator("memory", mode="before")
     @classmethod

@@ -173,6 +173,10 @@ class RelayClient:
     def artifacts(self, job_id: str) -> list[ArtifactInfo]:
         return [ArtifactInfo.model_validate(x) for x in self._get(f"/jobs/{job_id}/artifacts")]
 
+    def artifact_bytes(self, job_id: str, path: str) -> bytes:
+        """One artifact's bytes. Raises NotFound naming it when the job has no such artifact."""
+        return self._request("GET", f"/jobs/{job_id}/artifacts/{path}").content
+
     def download(self, job_id: str, dest: str | Path) -> list[Path]:
         """Fetch every artifact of the job into ``dest``; returns the written paths."""
         dest = Path(dest)

@@ -36,10 +36,13 @@ def ls(state: str = typer.Option(None, "--state", help="only these states, comma
 @handle_errors
 def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> None:
     """Show a job: state, placement, restarts, failure (rank, exit code, last lines), metrics, events."""
+    plan = None
     with client() as c:
         j = c.job(job_id)
+        if j.spec.get("strategy", {}).get("kind") == "pipeline":
+            plan = _pipeline_plan(c, j.id)
     if output == Output.json:
-        return print_json(dump(j))
+        return print_json({**dump(j), **({"pipeline_plan": plan} if plan else {})})
     console.print(f"[bold]{j.id}[/] {j.name}  {styled_state(j.state.value)}  user={j.user}  "
                   f"attempt={j.attempt} restarts={j.restarts}")
     spec = j.spec
@@ -63,6 +66,10 @@ def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> Non
                       + (f" (exit code {f.exit_code})" if f.exit_code is not None else ""), highlight=False)
         for line in f.last_lines[-20:]:
             console.print(f"    | {line}", markup=False, highlight=False)
+    if plan:
+        console.print("  pipeline plan:")
+        for line in str(plan.get("text", "")).splitlines():
+            console.print(f"    {line}", markup=False, highlight=False)
     if j.events:
         console.print("  events:")
         for e in j.events:
@@ -81,3 +88,15 @@ def cancel(job_id: str = typer.Argument(...), wait: bool = typer.Option(True, he
     if output == Output.json:
         return print_json(dump(info))
     console.print(f"{info.id} {styled_state(info.state.value)}")
+
+
+def _pipeline_plan(c, job_id: str) -> dict | None:  # noqa: ANN001
+    """The partitioner's plan the job's rank 0 saved as an artifact, if it did yet."""
+    import json
+
+    from torchrelay.errors import NotFound
+
+    try:
+        return json.loads(c.artifact_bytes(job_id, "pipeline-plan.json"))
+    except (NotFound, ValueError):
+        return None

@@ -214,9 +214,15 @@ def publish_plan(plan: Plan, env=os.environ) -> str | None:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, PLAN_FILE)
     tmp = f"{path}.tmp"
+    body = {**plan.to_dict(), "text": plan.describe()}
     with open(tmp, "w") as f:
-        json.dump({**plan.to_dict(), "text": plan.describe()}, f)
+        json.dump(body, f)
     os.replace(tmp, path)
+    if env.get("RELAY_JOB_ID"):
+        # also a job artifact: the server serves it and `relay status` shows the plan
+        from torchrelay.train.artifacts import save_artifact
+
+        save_artifact(PLAN_FILE, json.dumps(body, indent=2).encode())
     return path
 
 
