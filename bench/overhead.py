@@ -61,13 +61,7 @@ def run_job(client, args: argparse.Namespace) -> tuple[float, list[float]]:  # n
     final = client.wait(info.id, timeout=600)
     if final.state.value != "SUCCEEDED":
         raise SystemExit(f"job {info.id} ended {final.state.value}: {final.failure}")
-    points, after = [], 0
-    while True:
-        page = client.metrics(info.id, after=after)
-        if not page.points:
-            break
-        points += [p for p in page.points if p.rank == 0]
-        after = page.next_after
+    points = [p for p in client.iter_metrics(info.id) if p.rank == 0]
     steps = sorted((p for p in points if "step_time_s" in p.values), key=lambda p: p.step)
     return steps[0].time - t0, [p.values["step_time_s"] for p in steps[1:]]
 

@@ -42,7 +42,7 @@ def main() -> int:
             final = follow(client, info.id, show_logs=False)
             print_outcome(final)
             accuracy, saved = None, None
-            for line in client.follow_logs(info.id, rank=0, wait=0):
+            for line in client.iter_logs(info.id, rank=0):
                 if m := re.search(r"test_accuracy=([0-9.]+)", line.text):
                     accuracy = float(m.group(1))
                 if m := re.search(r"model saved to (\S+)", line.text):

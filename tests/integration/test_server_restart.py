@@ -38,24 +38,11 @@ def wait_until(predicate, timeout=120.0):
 
 
 def all_logs(c, job_id):
-    """Every log line stored so far (does not wait for more)."""
-    texts, after = [], 0
-    while True:
-        page = c.logs(job_id, after=after)
-        if not page.lines:
-            return texts
-        texts += [line.text for line in page.lines]
-        after = page.next_after
+    return [line.text for line in c.iter_logs(job_id)]
 
 
 def all_metric_steps(c, job_id):
-    steps, after = [], 0
-    while True:
-        page = c.metrics(job_id, after=after)
-        if not page.points:
-            return steps
-        steps += [p.step for p in page.points]
-        after = page.next_after
+    return [p.step for p in c.iter_metrics(job_id)]
 
 
 def test_kill_9_server_mid_job_then_restart(relay_home):

@@ -20,8 +20,8 @@ from torchrelay.client.bundle import pack_dir
 from torchrelay.errors import RelayError, ServerUnavailable, error_class
 from torchrelay.home import read_json, relay_home, server_file
 from torchrelay.spec import JobSpec, JobState
-from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, NodeInfo,
-                             SubmitRequest)
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, MetricPoint,
+                             NodeInfo, SubmitRequest)
 
 
 def resolve_address(address: str | None = None) -> str | None:
@@ -155,6 +155,26 @@ class RelayClient:
         if rank is not None:
             params["rank"] = rank
         return LogPage.model_validate(self._get(f"/jobs/{job_id}/logs", params=params, timeout=wait + 30))
+
+    def iter_logs(self, job_id: str, *, rank: int | None = None) -> Iterator[LogLine]:
+        """Every log line stored so far, page by page; does not wait for more."""
+        after = 0
+        while True:
+            page = self.logs(job_id, after=after, rank=rank)
+            if not page.lines:
+                return
+            yield from page.lines
+            after = page.next_after
+
+    def iter_metrics(self, job_id: str) -> Iterator[MetricPoint]:
+        """Every metric point stored so far, page by page; does not wait for more."""
+        after = 0
+        while True:
+            page = self.metrics(job_id, after=after)
+            if not page.points:
+                return
+            yield from page.points
+            after = page.next_after
 
     def follow_logs(self, job_id: str, *, rank: int | None = None, wait: float = 10) -> Iterator[LogLine]:
         """Every log line until the job ends (then what is left is drained)."""

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound, Unschedulable
 from torchrelay.server.notify import Notifier
+from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.store import (CursorRow, EventRow, JobRow, LaunchRow, LogRow, MetricRow, NodeRow,
                                      job_id_of, job_seq_of, make_engine, make_sessionmaker)
 from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, check_transition
@@ -42,6 +43,8 @@ from torchrelay.wire import (ArtifactInfo, FailureInfo, Heartbeat, HeartbeatRepl
                              MetricPage, MetricPoint, NodeInfo, NodeRegistration, PlacementInfo,
                              RankExit, RegisterReply)
 
+# the stop reason of launches stopped at the job's max_runtime_s; an attempt stopped so ends FAILED
+_RUNTIME_STOP = "ran past max_runtime_s"
 _KILLED_BY_PEER = {-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 
 
@@ -54,7 +57,7 @@ def process_count(spec: JobSpec) -> int:
 def worker_shape(spec: JobSpec) -> policy.WorkerShape:
     res = spec.resources
     return policy.WorkerShape(cpu=res.cpu, gpu=res.gpu, memory=res.memory, gpu_type=res.gpu_type,
-                              accelerator="required" if res.gpu else "none")
+                              accelerator=res.accelerator_mode)
 
 
 def queued_job(row: JobRow, spec: JobSpec) -> policy.QueuedJob:
@@ -70,7 +73,7 @@ class ClusterService:
     """Owns the store; see the module docstring for the contract."""
 
     def __init__(self, db_url: str, store_url: str, *, heartbeat_timeout_s: float = 10.0,
-                 tick_s: float = 0.5, clock: Callable[[], float] = time.time):
+                 tick_s: float = 0.5, clock: Callable[[], float] = time.time, quotas: QuotaTable | None = None):
         self.engine = make_engine(db_url)
         self._sessions = make_sessionmaker(self.engine)
         self.store = ArtifactStore(store_url)
@@ -84,6 +87,9 @@ class ClusterService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._spec_cache: dict[int, JobSpec] = {}
+        self.quotas = quotas or QuotaTable()
+        # job seq -> (attempt, server time it was placed): what max_runtime_s counts from
+        self._attempt_started: dict[int, tuple[int, float]] = {}
         self.min_tick_interval_s = 0.02  # a burst of submits shares one scheduling cycle
 
     # ------------------------------------------------------------ background loop
@@ -127,6 +133,7 @@ class ClusterService:
         with self._lock, self._sessions.begin() as s:
             self._mark_lost_nodes(s)
             self._check_progress(s)
+            self._check_runtime(s)
             self._schedule(s)
 
     # ------------------------------------------------------------ jobs

@@ -15,19 +15,10 @@ def logs(job_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
         if follow:
             lines = c.follow_logs(job_id, rank=rank)
         else:
-            lines = _all(c, job_id, rank)
+            lines = c.iter_logs(job_id, rank=rank)
         for line in lines:
             if output == Output.json:
                 print_json(dump(line))
             else:
                 print(f"[rank {line.rank}] {line.text}", flush=True)
 
-
-def _all(c, job_id: str, rank: int | None):  # noqa: ANN001, ANN202
-    after = 0
-    while True:
-        page = c.logs(job_id, after=after, rank=rank)
-        if not page.lines:
-            return
-        yield from page.lines
-        after = page.next_after

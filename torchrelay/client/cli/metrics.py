@@ -12,15 +12,8 @@ def metrics(job_id: str = typer.Argument(...), rank: int = typer.Option(0, help=
             last: int = typer.Option(20, "--last", "-n", help="rows to show (table only)"),
             output: Output = OutputOpt) -> None:
     """Show reported metrics; -o json prints every point."""
-    points = []
     with client() as c:
-        after = 0
-        while True:
-            page = c.metrics(job_id, after=after)
-            if not page.points:
-                break
-            points.extend(page.points)
-            after = page.next_after
+        points = list(c.iter_metrics(job_id))
     if rank >= 0:
         points = [p for p in points if p.rank == rank]
     if output == Output.json:
