@@ -272,3 +272,155 @@ def test_queue_view_orders_waiting_jobs_with_reasons(svc):
     assert [r["id"] for r in view] == [first.id, second.id]
     assert [r["position"] for r in view] == [1, 2] and all(r["reason"] for r in view)
     assert svc.get_job(first.id).state == JobState.QUEUED  # the view changed nothing
+
+
+# ------------------------------------------------------------ quotas, accelerators, max runtime
+
+from torchrelay.errors import InvalidSpec  # noqa: E402
+from torchrelay.scheduler import Quota  # noqa: E402
+from torchrelay.server.quotas import QuotaTable  # noqa: E402
+
+
+@pytest.fixture
+def quota_svc(tmp_path):
+    clock = Clock()
+    quotas = QuotaTable.parse({"default": {"jobs": 1}, "alice": {"cpus": 2}})
+    service = ClusterService(f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store"),
+                             heartbeat_timeout_s=10, clock=clock, quotas=quotas)
+    service.clock_ref = clock
+    yield service
+    service.stop()
+
+
+def test_job_over_quota_waits_with_reason_quota_then_starts(quota_svc):
+    svc = quota_svc
+    add_node(svc, "a", cpus=8)
+    bob1 = svc.submit(spec(workers=1), None, "bob")  # default quota: 1 job
+    bob2 = svc.submit(spec(workers=1), None, "bob")
+    alice1 = svc.submit(spec(workers=2), None, "alice")  # alice: 2 cpus, no job limit
+    alice2 = svc.submit(spec(workers=1), None, "alice")
+    svc.tick()
+    states = {j: svc.get_job(j).state for j in (bob1.id, bob2.id, alice1.id, alice2.id)}
+    assert states == {bob1.id: JobState.SCHEDULED, bob2.id: JobState.QUEUED,
+                      alice1.id: JobState.SCHEDULED, alice2.id: JobState.QUEUED}
+    assert svc.get_job(bob2.id).waiting_reason.startswith("quota")
+    assert "jobs" in svc.get_job(bob2.id).waiting_reason
+    assert svc.get_job(alice2.id).waiting_reason.startswith("quota")
+    assert "cpus" in svc.get_job(alice2.id).waiting_reason
+    (launch,) = [x for x in launches_of(svc, svc.list_nodes()[0].id) if x.job_id == bob1.id]
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    exit_launch(svc, launch.launch_id)
+    svc.tick()
+    assert svc.get_job(bob2.id).state == JobState.SCHEDULED  # bob's first job ended: room in his quota
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ([1, 2], "expected a mapping"),
+    ({"bob": 3}, "bob: expected {cpus, gpus, jobs}"),
+    ({"bob": {"cpu": 3}}, "unknown key 'cpu'"),
+    ({"bob": {"jobs": 1.5}}, "bob.jobs: 1.5 is not a whole number"),
+    ({"bob": {"cpus": -1}}, "bob.cpus: -1 is not a number >= 0"),
+    ({"bob": {"gpus": True}}, "bob.gpus: True"),
+])
+def test_quota_table_refuses_malformed_entries(data, fragment):
+    with pytest.raises(InvalidSpec, match=fragment.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")):
+        QuotaTable.parse(data)
+
+
+def test_quota_table_default_and_file(tmp_path):
+    path = tmp_path / "quotas.yaml"
+    path.write_text("default: {gpus: 1}\nalice: {cpus: 4, jobs: 2}\n")
+    table = QuotaTable.load(path)
+    assert table.for_users(["zed", "alice", "alice"]) == (("alice", Quota(cpus=4.0, jobs=2)), ("zed", Quota(gpus=1)))
+    assert QuotaTable.parse({"alice": {"jobs": 1}}).for_users(["bob"]) == ()
+    with pytest.raises(InvalidSpec, match="cannot be read"):
+        QuotaTable.load(tmp_path / "missing.yaml")
+
+
+def test_accelerator_prefer_runs_on_cpus_when_gpus_are_taken(svc):
+    cpu = add_node(svc, "cpu", cpus=4)
+    gpu = svc.register(NodeRegistration(name="gpu", address="127.0.0.1", cpus=4, gpus=1, gpu_type="a100",
+                                        memory=8 * 2**30)).node_id
+    needs_gpu = svc.submit(spec(workers=1, resources={"gpu": 1}), None, "u")
+    flexible = svc.submit(spec(workers=1, resources={"accelerator": "prefer"}), None, "u")
+    svc.tick()
+    (on_gpu,) = launches_of(svc, gpu)
+    assert on_gpu.job_id == needs_gpu.id
+    assert on_gpu.env["RELAY_ACCELERATOR"] == "gpu" and on_gpu.env["RELAY_GPU_TYPE"] == "a100"
+    (on_cpu,) = launches_of(svc, cpu)
+    assert on_cpu.job_id == flexible.id  # the only GPU was taken: "prefer" falls back to CPUs
+    assert on_cpu.env["RELAY_ACCELERATOR"] == "cpu" and on_cpu.env["RELAY_GPUS_PER_WORKER"] == "0"
+    assert any("on CPUs" in e.message for e in svc.get_job(flexible.id).events)
+    used = {n.name: n.used_gpus for n in svc.list_nodes()}
+    assert used == {"cpu": 0, "gpu": 1}
+
+
+def test_accelerator_prefer_takes_a_free_gpu(svc):
+    add_node(svc, "cpu", cpus=4)
+    gpu = svc.register(NodeRegistration(name="gpu", address="127.0.0.1", cpus=4, gpus=2, memory=8 * 2**30)).node_id
+    job = svc.submit(spec(workers=2, resources={"accelerator": "prefer"}), None, "u")
+    svc.tick()
+    (launch,) = launches_of(svc, gpu)
+    assert launch.job_id == job.id and launch.env["RELAY_ACCELERATOR"] == "gpu"
+    assert launch.env["RELAY_GPUS_PER_WORKER"] == "1"
+
+
+@pytest.mark.parametrize("resources, fragment", [
+    ({"accelerator": "none", "gpu": 1}, "accelerator 'none' with gpu=1"),
+    ({"accelerator": "sometimes"}, "resources.accelerator"),
+])
+def test_bad_accelerator_requests_are_refused(svc, resources, fragment):
+    with pytest.raises(InvalidSpec, match=fragment):
+        svc.submit(spec(workers=1, resources=resources), None, "u")
+
+
+def test_job_past_max_runtime_is_stopped_and_failed_not_restarted(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, max_runtime_s=30, max_restarts=3), None, "u")
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    svc.clock_ref.now += 29
+    svc.touch(n1)
+    svc.tick()
+    assert launches_of(svc, n1)[0].desired == "run"
+    svc.clock_ref.now += 2
+    svc.touch(n1)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    assert launch.desired == "stop" and "max_runtime_s=30" in launch.stop_reason
+    assert svc.get_job(job.id).state == JobState.RUNNING  # until its workers have stopped
+    # the worker handles SIGTERM and exits 0: still a job that ran out of time
+    svc.launch_status(launch.launch_id, LaunchStatus(state="exited", succeeded=True, stopped=True))
+    info = svc.get_job(job.id)
+    assert info.state == JobState.FAILED and info.restarts == 0
+    assert "max_runtime_s=30" in info.failure.reason and "max_runtime_s=30" in info.events[-1].message
+
+
+def test_max_runtime_counts_from_placement_after_a_server_restart(tmp_path):
+    clock = Clock()
+    url, store = f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store")
+    a = ClusterService(url, store, clock=clock, heartbeat_timeout_s=1000)
+    n1 = a.register(NodeRegistration(name="a", address="127.0.0.1", cpus=2, memory=2**30)).node_id
+    job = a.submit(spec(workers=1, max_runtime_s=30), None, "u")
+    a.tick()
+    a.stop()
+    clock.now += 20
+    b = ClusterService(url, store, clock=clock, heartbeat_timeout_s=1000)
+    b.tick()
+    assert b.desired(n1).launches[0].desired == "run"
+    clock.now += 11
+    b.tick()
+    assert b.desired(n1).launches[0].desired == "stop"
+    b.stop()
+
+
+def test_queue_view_estimates_start_from_declared_runtimes(svc):
+    n1 = add_node(svc, "a", cpus=2)
+    running = svc.submit(spec(workers=2, max_runtime_s=100), None, "u1")
+    waiting = svc.submit(spec(workers=2), None, "u2")
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    assert launch.job_id == running.id
+    (row,) = svc.queue_view()
+    assert row["id"] == waiting.id and row["estimated_start"] == pytest.approx(svc.clock_ref.now + 100)

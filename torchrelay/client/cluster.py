@@ -40,9 +40,37 @@ def _spawn(argv: list[str], home: Path, log_name: str, extra_env: dict[str, str]
                                 start_new_session=True, cwd=str(home))
 
 
+@dataclass(frozen=True)
+class AgentOptions:
+    """What one agent of an embedded cluster offers (None: the agent's own default)."""
+
+    cpus: float | None = None
+    gpus: int | None = None
+    memory: str | None = None  # e.g. "4GiB"
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        out: list[str] = []
+        if self.cpus is not None:
+            out += ["--cpus", str(self.cpus)]
+        if self.gpus is not None:
+            out += ["--gpus", str(self.gpus)]
+        if self.memory is not None:
+            out += ["--memory", str(self.memory)]
+        for key, value in sorted(self.labels.items()):
+            out += ["--label", f"{key}={value}"]
+        return out
+
+
 def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
-                  heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0) -> Cluster:
-    """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable."""
+                  heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0,
+                  agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None) -> Cluster:
+    """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable.
+
+    ``agent_options[i]`` (if given) sets what agent i offers; it overrides ``agent_cpus``.
+    ``quotas_file`` is passed to the server as ``--quotas``."""
+    if agent_options is not None and len(agent_options) != agents:
+        raise ValueError(f"agent_options has {len(agent_options)} entries for {agents} agents; give one per agent")
     from torchrelay.client.sdk import RelayClient
 
     home = (home or relay_home()).resolve()
@@ -53,7 +81,10 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
                                 "`relay down` stops it, or set RELAY_HOME to another folder")
     server_file(home).unlink(missing_ok=True)
     cli = [sys.executable, "-m", "torchrelay.client.cli.main"]
-    server = _spawn([*cli, "server", "--port", "0", "--heartbeat-timeout", str(heartbeat_timeout_s)], home, "server")
+    server_argv = [*cli, "server", "--port", "0", "--heartbeat-timeout", str(heartbeat_timeout_s)]
+    if quotas_file is not None:
+        server_argv += ["--quotas", str(Path(quotas_file).resolve())]
+    server = _spawn(server_argv, home, "server")
     pids = [server.pid]
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:
@@ -61,7 +92,9 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
         for i in range(agents):
             argv = [*cli, "agent", "--address", address, "--name", f"agent-{i}",
                     "--work-dir", str(home / "agents" / f"agent-{i}")]
-            if agent_cpus is not None:
+            if agent_options is not None:
+                argv += agent_options[i].argv()
+            elif agent_cpus is not None:
                 argv += ["--cpus", str(agent_cpus)]
             pids.append(_spawn(argv, home, f"agent-{i}").pid)
             write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,

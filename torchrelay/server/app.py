@@ -100,6 +100,11 @@ def create_app(service: ClusterService) -> FastAPI:
         """Waiting jobs in scheduling order with reason and estimated start (null if unknown)."""
         return svc.queue_view()
 
+    @api.get("/quotas")
+    def quotas() -> dict[str, Any]:
+        """Per-user quotas the scheduler applies (``default`` covers users not named)."""
+        return svc.quotas.to_public()
+
     @api.get("/jobs/{job_id}", response_model=JobInfo)
     async def get_job(job_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S),
                       known_state: str | None = None) -> JobInfo:

@@ -15,6 +15,7 @@ import uvicorn
 
 from torchrelay.home import relay_home, server_file, write_json
 from torchrelay.server.app import create_app
+from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.service import ClusterService
 
 
@@ -23,8 +24,11 @@ def default_db_url(home: Path) -> str:
 
 
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
-          home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning") -> None:
-    """Serve until interrupted. Raises OSError naming the address when it cannot bind."""
+          home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
+          quotas_file: Path | None = None) -> None:
+    """Serve until interrupted. Raises OSError naming the address when it cannot bind, and
+    InvalidSpec naming the file and entry when ``quotas_file`` is malformed (before binding)."""
+    quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
     home = home or relay_home()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -37,7 +41,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     address = f"http://{shown_host}:{bound_port}"
     service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
-                             heartbeat_timeout_s=heartbeat_timeout_s)
+                             heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas)
     service.public_url = address
     app = create_app(service)
     write_json(server_file(home), {"address": address, "pid": os.getpid()})

@@ -145,12 +145,14 @@ class ClusterService:
             raise NotFound(f"bundle {bundle} was not uploaded; POST it to /api/v1/bundles first")
         if spec.user is None and user:
             spec = spec.model_copy(update={"user": user})
+        probe = queued_job(JobRow(seq=0, priority=spec.priority, user=spec.user), spec)
+        problem = policy.job_problem(probe)
+        if problem:
+            raise InvalidSpec(f"job {spec.name!r}: {problem}")
         with self._lock, self._sessions.begin() as s:
             nodes = self._node_views(s)
-            if nodes:
-                probe = queued_job(JobRow(seq=0, priority=spec.priority, user=spec.user), spec)
-                if not policy.fits_ever(probe, tuple(nodes)):
-                    raise Unschedulable(self._never_fits_message(spec, nodes))
+            if nodes and not policy.fits_ever(probe, tuple(nodes)):
+                raise Unschedulable(self._never_fits_message(spec, nodes))
             now = self.clock()
             row = JobRow(name=spec.name, user=spec.user, state=JobState.QUEUED.value, spec=spec.to_public(),
                          bundle=bundle, priority=spec.priority, submitted_at=now, restart_reasons=[],
@@ -452,6 +454,42 @@ class ClusterService:
         self._kick()
         self._evaluate(s, s.get(JobRow, launch.job_seq))
 
+    def _check_runtime(self, s: Session) -> None:
+        """A job whose current attempt has held its nodes longer than its ``max_runtime_s`` is
+        stopped; once its launches have exited it is FAILED (never restarted), see ``_evaluate``.
+        The time counts from the attempt's placement: that is when its resources were taken,
+        and what the policy's reservations assume."""
+        now = self.clock()
+        for row in s.scalars(select(JobRow).where(JobRow.state.in_(
+                (JobState.SCHEDULED.value, JobState.RUNNING.value, JobState.RESTARTING.value)))):
+            limit = self._spec(row).max_runtime_s
+            if not limit or row.requeue:
+                continue
+            started = self._attempt_start(s, row)
+            if started is None or now - started <= limit:
+                continue
+            live = self._live_launches(s, row)
+            if not live or all(x.desired == "stop" for x in live):
+                continue
+            reason = f"{_RUNTIME_STOP}={limit:g} s (attempt {row.attempt} ran {now - started:.0f} s)"
+            self._stop_launches(s, row, reason)
+            s.add(EventRow(job_seq=row.seq, time=now, state=row.state, message=f"stopping: {reason}"))
+            self.notifier.bump(f"job:{row.seq}")
+
+    def _attempt_start(self, s: Session, row: JobRow) -> float | None:
+        """When the job's current attempt was placed (server clock), or None before any."""
+        if not row.attempt:
+            return None
+        known = self._attempt_started.get(row.seq)
+        if known is not None and known[0] == row.attempt:
+            return known[1]
+        # not placed by this process (the server restarted): the placement event says when
+        placed = s.scalar(select(func.max(EventRow.time)).where(EventRow.job_seq == row.seq,
+                                                                 EventRow.message.like("%placed on%")))
+        started = float(placed if placed is not None else (row.started_at or row.submitted_at))
+        self._attempt_started[row.seq] = (row.attempt, started)
+        return started
+
     def _evaluate(self, s: Session, row: JobRow) -> None:
         """Move the job on from what its current attempt's launches report. Idempotent."""
         state = JobState(row.state)
@@ -472,6 +510,12 @@ class ClusterService:
             if all_exited:
                 row.requeue = False
                 self._set_state(s, row, JobState.QUEUED, "requeued after preemption")
+            return
+        overtime = next((x.stop_reason for x in launches if (x.stop_reason or "").startswith(_RUNTIME_STOP)), None)
+        if overtime is not None:
+            if all_exited:
+                row.failure = FailureInfo(reason=overtime, attempt=row.attempt).model_dump()
+                self._set_state(s, row, JobState.FAILED, overtime)
             return
         failed = [x for x in launches if x.state == "exited" and not x.succeeded]
         if failed:
@@ -562,25 +606,35 @@ class ClusterService:
     # ------------------------------------------------------------ internals: scheduling
 
     def _policy_input(self, s: Session) -> tuple[policy.SchedulerInput, dict[str, tuple[JobRow, JobSpec]]]:
-        """What the policy sees now: nodes, jobs holding resources, and the queue."""
+        """What the policy sees now: nodes, jobs holding resources, the queue and the quotas of
+        the users in it. Live launches are read in one query, not one per job."""
         nodes = self._node_views(s, include_lost=True)
+        live_by_job: dict[int, list[LaunchRow]] = {}
+        for launch in s.scalars(select(LaunchRow).where(LaunchRow.state != "exited")
+                                .order_by(LaunchRow.job_seq, LaunchRow.node_rank)):
+            live_by_job.setdefault(launch.job_seq, []).append(launch)
         running, queue, rows = [], [], {}
         for row in s.scalars(select(JobRow).where(JobRow.state.in_(
                 [JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
                  JobState.RESTARTING.value, JobState.CANCELLING.value])).order_by(JobRow.seq)):
             spec = self._spec(row)
-            live = self._live_launches(s, row) if row.attempt else []
+            live = [x for x in live_by_job.get(row.seq, ()) if x.attempt == row.attempt] if row.attempt else []
             if live:
+                granted = live[0]  # the launch records the shape the policy granted
+                shape = policy.WorkerShape(cpu=granted.cpu, gpu=granted.gpu, memory=granted.memory,
+                                           gpu_type=spec.resources.gpu_type if granted.gpu else None,
+                                           accelerator="required" if granted.gpu else "none")
                 running.append(policy.Allocation(
-                    job_id=row.id, user=row.user or "", priority=row.priority, shape=worker_shape(spec),
+                    job_id=row.id, user=row.user or "", priority=row.priority, shape=shape,
                     placement=tuple((x.node_id, x.nproc) for x in live), preemptible=spec.preemptible,
-                    started_at=row.started_at or row.submitted_at, max_runtime_s=spec.max_runtime_s,
+                    started_at=self._attempt_start(s, row) or row.submitted_at, max_runtime_s=spec.max_runtime_s,
                     preempting=bool(row.requeue) or row.state == JobState.CANCELLING.value))
             elif row.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(queued_job(row, spec))
                 rows[row.id] = (row, spec)
+        quotas = self.quotas.for_users([a.user for a in running] + [q.user for q in queue])
         inp = policy.SchedulerInput(nodes=tuple(nodes), running=tuple(running), queue=tuple(queue),
-                                    now=self.clock())
+                                    now=self.clock(), quotas=quotas)
         return inp, rows
 
     def queue_view(self) -> list[dict[str, Any]]:
@@ -626,6 +680,7 @@ class ClusterService:
         row.attempt += 1
         row.waiting_reason = None
         row.last_progress_at = None
+        self._attempt_started[row.seq] = (row.attempt, self.clock())
         world = sum(n for _, n in placement.placement)
         offset = 0
         for node_rank, (node_id, nproc) in enumerate(placement.placement):
@@ -637,6 +692,12 @@ class ClusterService:
             offset += nproc
             self.notifier.bump(f"node:{node_id}")
         names = ", ".join(f"{nodes[n].name}×{k}" for n, k in placement.placement)
+        granted = placement.shape
+        if granted.gpu:
+            gpu_types = sorted({nodes[n].gpu_type or "gpu" for n, _ in placement.placement})
+            names += f" ({granted.gpu} {'/'.join(gpu_types)} per worker)"
+        elif spec.resources.accelerator_mode == "prefer":
+            names += " (on CPUs: the gang did not fit on accelerators)"
         if JobState(row.state) == JobState.QUEUED:
             self._set_state(s, row, JobState.SCHEDULED, f"placed on {names}")
         else:
@@ -658,6 +719,12 @@ class ClusterService:
         env["RELAY_CHECKPOINT"] = json.dumps(spec.checkpoint.model_dump(mode="json", by_alias=True))
         env["RELAY_JOB_NAME"] = spec.name
         env["RELAY_WORKERS"] = str(spec.workers)
+        # what was granted, which for accelerator "prefer" may be CPUs although GPUs were asked for
+        env["RELAY_ACCELERATOR"] = "gpu" if launch.gpu else "cpu"
+        env["RELAY_GPUS_PER_WORKER"] = str(launch.gpu)
+        node = s.get(NodeRow, launch.node_id)
+        if launch.gpu and node is not None and node.gpu_type:
+            env["RELAY_GPU_TYPE"] = node.gpu_type
         return LaunchAssignment(
             launch_id=launch.id, job_id=row.id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
             stop_reason=launch.stop_reason, stop_grace_s=spec.stop_grace_s, node_rank=launch.node_rank, nnodes=launch.nnodes,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn
 
 from torchrelay.client.cli.common import console, duration
 from torchrelay.wire import JobInfo
@@ -36,9 +36,9 @@ def follow(client, job_id: str, *, show_logs: bool = True, rank: int | None = No
     first_seen: tuple[float, int] | None = None
     rate = None
     live = console.is_terminal
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        TextColumn("{task.completed:.0f}/{task.total:.0f}"), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, transient=False, disable=not live)
+    # the step count and ETA are in `info` (total is unknown until the script reports it)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                        console=console, transient=False, disable=not live)
     task = progress.add_task(job_id, total=None, info="waiting for the first step…")
     last_plain = 0.0
     with progress:

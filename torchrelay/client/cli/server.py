@@ -1,6 +1,8 @@
 """`relay server`: run the server in the foreground."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from torchrelay.client.cli.common import handle_errors
@@ -12,9 +14,12 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
            db: str = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in RELAY_HOME)"),
            store: str = typer.Option(None, "--store", help="artifact store URL (default: RELAY_HOME/store)"),
            heartbeat_timeout: float = typer.Option(10.0, help="seconds without heartbeat before a node is LOST"),
+           quotas: Path = typer.Option(None, "--quotas", help="YAML file of per-user quotas: "
+                                       "{USER | default: {cpus: N, gpus: N, jobs: N}}; a job over its user's "
+                                       "quota waits (reason 'quota')"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
     from torchrelay.server.main import serve
 
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
-          log_level=log_level)
+          log_level=log_level, quotas_file=quotas)
