@@ -11,7 +11,9 @@
 (d) samples needed to bring the digits training loss under a target, ``async`` and
     ``ssp`` (s=2) over ``sync`` (2 workers + 1 server, same model, batch, Adam).
 
-    python bench/ps.py [--repeats 5]
+    python bench/ps.py [--repeats 5] [--only a]
+
+``--only a`` runs part (a) alone (its RESULT then carries ``vs_raw_tcp`` only).
 
 Prints rows, then ``RESULT {"vs_raw_tcp": …, "vs_torch_rpc": …, "sync_vs_ddp_step": …,
 "async_samples_ratio": …, "ssp_samples_ratio": …}`` (ratios > 1 mean ours is faster for
@@ -345,6 +347,7 @@ def run_transfer(repeats: int) -> tuple[list[float], list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=["a"], help="run only part (a), the 100 MB push+pull vs raw TCP")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -358,6 +361,11 @@ def main() -> None:
     raw, ours = med(raw_times), med(our_times)
     print(f"  raw TCP sendall/recv_into      {raw * 1e3:8.1f} ms  {gbps(raw):5.2f} GB/s")
     print(f"  torchrelay PS (incl. update)   {ours * 1e3:8.1f} ms  {gbps(ours):5.2f} GB/s")
+    print(f"  load average {os.getloadavg()[0]:.2f}")
+    if args.only == "a":
+        print("RESULT " + json.dumps({"vs_raw_tcp": round(raw / ours, 3),
+                                      "raw_tcp_ms": round(raw * 1e3, 1), "ps_ms": round(ours * 1e3, 1)}))
+        return
     sgd = {"name": "sgd", "lr": 0.01}
     rpc = med(run_rpc(args.repeats))
     print(f"  torch RPC PS (TensorPipe)      {rpc * 1e3:8.1f} ms  {gbps(rpc):5.2f} GB/s")

@@ -62,7 +62,8 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     for rank_result in results:
         for case in rank_result["cases"]:
             cases.setdefault(case["name"], []).append(case)
-    expected = {"mlp-lean-gpipe", "mlp-lean-1f1b", "mlp-torch-gpipe", "mlp-torch-1f1b",
+    expected = {"mlp-lean-gpipe", "mlp-lean-1f1b", "mlp-lean-gloo-1f1b", "mlp-torch-gpipe",
+                "mlp-torch-1f1b",
                 "mlp-torch-interleaved_1f1b", "lm-lean-1f1b-auto", "lm-torch-1f1b-auto",
                 "charlm-lean-gpipe"}
     assert set(cases) == expected
@@ -75,6 +76,10 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
         losses = [c["loss"] for c in per_rank if c["loss"] is not None]
         assert len(losses) == 1, name  # only the last stage reports a loss
         assert losses[0] == pytest.approx(per_rank[0]["reference_loss"], rel=1e-5), name
+        # the lean runtime's neighbours on this host talk through shared memory by default
+        expected_shm = name.startswith(("mlp-lean", "lm-lean", "charlm-lean")) \
+            and "gloo" not in name
+        assert [c["shared_memory"] for c in per_rank] == [expected_shm] * 2, name
         owned = sorted(b for c in per_rank for b in c["blocks"])
         assert owned == list(range(per_rank[0]["num_blocks"])), name  # each block on one rank
     # The automatic plan is the same on both ranks and reported as a dict.
@@ -151,21 +156,22 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         return full, total
 
     def run_case(name, make_blocks, data, loss_fn, schedule, runtime, plan, seed=3,
-                 microbatches=4):
+                 microbatches=4, transport="auto"):
         inputs, targets, sample, sample_target = data
         meta = build_on_meta(make_blocks)
         strategy = PipelineStrategy(kind="pipeline", microbatches=microbatches,
                                     schedule=schedule)
         given = copy.deepcopy(meta)
         pipe = prepare(given, loss_fn, strategy, sample=sample, sample_target=sample_target,
-                       plan=plan, runtime=runtime, seed=seed)
+                       plan=plan, runtime=runtime, seed=seed, transport=transport)
         others_on_meta = all(is_on_meta(b) for i, b in enumerate(given) if i not in pipe.blocks)
         own_materialised = not any(is_on_meta(b) for b in pipe.blocks.values())
         full, ref_loss = reference(meta, seed, inputs, targets, loss_fn, microbatches)
         err = 0.0
         num_params = 0
-        # Step twice: the first step of a shape learns it, the second runs on cached buffers.
-        for _ in range(2):
+        # Step three times: the first step of a shape learns it (over gloo), the next ones run
+        # on cached buffers (shared-memory slots on one host), reused from step to step.
+        for _ in range(3):
             pipe.module.zero_grad(set_to_none=True)
             loss = pipe.step(inputs if pipe.is_first else None,
                              targets if pipe.is_last else None)
@@ -178,7 +184,9 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
                 "reference_loss": ref_loss, "grad_max_err": err, "num_params": num_params,
                 "blocks": sorted(pipe.blocks), "num_blocks": len(meta),
                 "plan": pipe.plan.to_dict(),
-                "materialised_only_own": others_on_meta and own_materialised}
+                "materialised_only_own": others_on_meta and own_materialised,
+                "shared_memory": any(getattr(pipe.runner, side, None) is not None
+                                     for side in ("prev_channel", "next_channel"))}
         return case, pipe, full
 
     torch.manual_seed(0)
@@ -196,10 +204,13 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
     result: dict = {"cases": []}
     if scenario == "equivalence":
         for runtime, schedule, plan in [("lean", "gpipe", [0, 2]), ("lean", "1f1b", [0, 4]),
+                                        ("lean-gloo", "1f1b", [0, 3]),
                                         ("torch", "gpipe", [0, 3]), ("torch", "1f1b", [0, 3]),
                                         ("torch", "interleaved_1f1b", [0, 1, 3, 5])]:
-            case, pipe, full = run_case(f"mlp-{runtime}-{schedule}", mlp, mlp_data, mse_loss,
-                                        schedule, runtime, plan)
+            case, pipe, full = run_case(
+                f"mlp-{runtime}-{schedule}", mlp, mlp_data, mse_loss, schedule,
+                runtime.split("-")[0], plan,
+                transport="gloo" if runtime.endswith("gloo") else "auto")
             if runtime == "lean" and schedule == "1f1b":
                 gathered = [None] * world
                 dist.all_gather_object(gathered, pipe.state_dict())

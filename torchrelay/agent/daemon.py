@@ -425,20 +425,35 @@ class Agent:
                     self._done.add(launch_id)
                     self._post_status(launch_id, wire.LaunchStatus(
                         state="exited", succeeded=False, stopped=True, message="never started"))
+            finished = []
             for launch_id, runner in list(self._runners.items()):
                 assignment = wanted.get(launch_id)
                 if assignment is None or assignment.desired == "stop":
                     runner.request_stop()
-                    if runner.state == "exited" and self._delivered(runner):
-                        del self._runners[launch_id]
-                        self._done.add(launch_id)
+                    if runner.state == "exited":
+                        finished.append(runner)
+        # Outside self._lock: _delivered takes _ship_lock, and the shipper holds _ship_lock
+        # while it takes self._lock (the other order would deadlock the heartbeat loop).
+        for runner in finished:
+            if self._delivered(runner):
+                with self._lock:
+                    if self._runners.get(runner.launch_id) is runner:
+                        del self._runners[runner.launch_id]
+                        self._done.add(runner.launch_id)
 
     def _delivered(self, runner: _Runner) -> bool:
-        with self._ship_lock:
+        """Whether everything the runner produced reached the server. Never waits: while the
+        shipper is mid-cycle (an HTTP call that may be slow) the answer is "not yet", so the
+        heartbeat loop that asks is never held up."""
+        if not self._ship_lock.acquire(blocking=False):
+            return False
+        try:
             runner.take_records()
             with self._outbox_lock:
                 queued = any(lid == runner.launch_id for lid, _ in self._outbox)
             return not queued and not runner.pending_logs and not runner.pending_metrics
+        finally:
+            self._ship_lock.release()
 
     # -------------------------------------------------------------- bundles
 

@@ -36,6 +36,7 @@ from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Pl
                                                  plan_from_boundaries, plan_stages)
 from torchrelay.train.pipeline.profile import measure_link, profile_blocks
 from torchrelay.train.pipeline.runtime import LeanPipeline, TorchPipeline
+from torchrelay.train.pipeline.shm import connect_neighbours
 
 
 @dataclass
@@ -108,11 +109,16 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             device: torch.device | str | None = None, plan: Plan | Sequence[int] | None = None,
             optimizer_factory: Callable | None = None, mem_cap_bytes: int | None = None,
             runtime: Literal["auto", "lean", "torch"] = "auto", seed: int = 0,
-            virtual_stages: int = 2) -> Pipeline:
+            virtual_stages: int = 2, transport: Literal["auto", "shm", "gloo"] = "auto"
+            ) -> Pipeline:
     """This rank's ``Pipeline`` for ``blocks`` under ``strategy``. Collective; blocks.
 
     ``strategy`` defaults to ``ctx.strategy`` when that is a pipeline strategy (the job
     spec's), else to ``PipelineStrategy()``; a dict is validated as one.
+
+    ``transport`` (lean runtime): "auto"/"shm" pass activations and gradients between
+    neighbour stages on one host through shared memory (runtime.py, shm.py) when every rank
+    is on CPU, else gloo; "gloo" always uses gloo send/recv.
 
     Raises ``InvalidSpec`` when the world size does not match stages × replicas, when an
     automatic plan has no ``sample``, or for a schedule the runtime cannot run;
@@ -183,11 +189,15 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             prev_rank = layout[replica][stage - 1]
         if stage < num_stages - 1:
             next_rank = layout[replica][stage + 1]
+        if transport not in ("auto", "shm", "gloo"):
+            raise InvalidSpec(f"pipeline: transport {transport!r}; use 'auto', 'shm' or 'gloo'")
+        prev_channel, next_channel = connect_neighbours(
+            prev_rank, next_rank, enabled=transport != "gloo" and device.type == "cpu")
         runner = LeanPipeline(
             module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
             loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
-            next_rank=next_rank, device=device,
-            dp_group=dp_group, group=pp_group)
+            next_rank=next_rank, device=device, dp_group=dp_group, group=pp_group,
+            prev_channel=prev_channel, next_channel=next_channel)
     else:
         modules = [nn.Sequential(*[own[i] for i in the_plan.stages[ps].blocks])
                    for ps in my_plan_stages]

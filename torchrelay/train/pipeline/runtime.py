@@ -77,8 +77,10 @@ class LeanPipeline:
     def __init__(self, module: nn.Module, *, stage: int, num_stages: int, microbatches: int,
                  loss_fn: Callable, schedule: str, prev_rank: int | None,
                  next_rank: int | None, device: torch.device,
-                 dp_group=None, group=None):
+                 dp_group=None, group=None, prev_channel=None, next_channel=None):
         self.module, self.stage, self.num_stages = module, stage, num_stages
+        # same-host neighbours talk through shared memory (shm.py), others through gloo
+        self.prev_channel, self.next_channel = prev_channel, next_channel
         self.microbatches, self.loss_fn, self.schedule = microbatches, loss_fn, schedule
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
         self.dp_group, self.group = dp_group, group
@@ -108,9 +110,14 @@ class LeanPipeline:
             header[0] = _DTYPES.index(inputs.dtype)
             header[1] = inputs.dim()
             header[2:2 + inputs.dim()] = torch.tensor(inputs.shape)
+        elif self.prev_channel is not None:
+            header.copy_(torch.frombuffer(bytearray(
+                self.prev_channel.read_exact(_HEADER_LEN * 8)), dtype=torch.int64))
         else:
             dist.recv(header, self.prev_rank, group=self.group, tag=_HEADER_TAG)
-        if not self.is_last:
+        if self.next_channel is not None:
+            self.next_channel.write(header.numpy().tobytes())
+        elif not self.is_last:
             dist.send(header, self.next_rank, group=self.group, tag=_HEADER_TAG)
         return tuple(header.tolist())
 
@@ -135,13 +142,21 @@ class LeanPipeline:
         else:
             in_bufs, grad_bufs = [None] * m_count, [None] * m_count
         prev, nxt = self.prev_rank, self.next_rank
+        prev_ch, next_ch = self.prev_channel, self.next_channel
+        # Same-host neighbours have shared slots from the second step of a shape on.
+        prev_shm = prev_ch.regions.get(key) if prev_ch is not None else None
+        next_shm = next_ch.regions.get(key) if next_ch is not None else None
+        if prev_shm is not None:
+            in_bufs = prev_shm.acts
+        if next_shm is not None:
+            grad_bufs = next_shm.grads
         act_recvs: list = [None] * m_count
         grad_recvs: list = [None] * m_count
         if known:
-            if not self.is_first:
+            if not self.is_first and prev_shm is None:
                 act_recvs = [dist.irecv(buf, prev, group=group, tag=1 + 2 * m)
                              for m, buf in enumerate(in_bufs)]
-            if not self.is_last:
+            if not self.is_last and next_shm is None:
                 grad_recvs = [dist.irecv(buf, nxt, group=group, tag=2 + 2 * m)
                               for m, buf in enumerate(grad_bufs)]
         if self.is_first:
@@ -151,6 +166,7 @@ class LeanPipeline:
         stage_inputs: list = [None] * m_count
         outputs: list = [None] * m_count
         sends = []
+        acts_ready = grads_ready = 0  # shared-memory "slot ready" signals seen this step
         total_loss = torch.zeros((), device=self.device)
         busy, clock = 0.0, self._clock
         for kind, m in self.actions:
@@ -160,6 +176,9 @@ class LeanPipeline:
                 else:
                     if not known:
                         in_bufs[m] = self._recv_described(prev, m)
+                    elif prev_shm is not None:
+                        while acts_ready <= m:  # one read takes every signal already there
+                            acts_ready += len(prev_ch.read_some(m_count - acts_ready))
                     else:
                         act_recvs[m].wait()
                     x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
@@ -174,6 +193,17 @@ class LeanPipeline:
                 else:
                     busy += clock() - started
                     outputs[m] = out
+                    if next_shm is not None:
+                        slot = next_shm.acts[m]
+                        if slot.shape != out.shape or slot.dtype != out.dtype:
+                            raise InvalidSpec(
+                                f"pipeline: stage {self.stage} output {m} is {out.dtype} "
+                                f"{tuple(out.shape)} but was {slot.dtype} {tuple(slot.shape)} "
+                                f"for the same input shape; stage outputs must depend only "
+                                f"on the input shape")
+                        slot.copy_(out.detach())
+                        next_ch.write(b"F")
+                        continue
                     send_buf = out.detach().contiguous()
                     if not known:
                         self._send_description(send_buf, nxt, m)
@@ -186,7 +216,11 @@ class LeanPipeline:
                     started = clock()
                     outputs[m].backward()
                 else:
-                    grad_recvs[m].wait()
+                    if next_shm is not None:
+                        while grads_ready <= m:
+                            grads_ready += len(next_ch.read_some(m_count - grads_ready))
+                    else:
+                        grad_recvs[m].wait()
                     started = clock()
                     torch.autograd.backward(outputs[m], grad_bufs[m])
                 busy += clock() - started
@@ -194,12 +228,23 @@ class LeanPipeline:
                     grad = stage_inputs[m].grad
                     if grad is None:
                         grad = torch.zeros_like(stage_inputs[m])
-                    grad = grad.contiguous()
-                    sends.append((dist.isend(grad, prev, group=group, tag=2 + 2 * m), grad))
+                    if prev_shm is not None:
+                        prev_shm.grads[m].copy_(grad)
+                        prev_ch.write(b"B")
+                    else:
+                        grad = grad.contiguous()
+                        sends.append((dist.isend(grad, prev, group=group, tag=2 + 2 * m), grad))
                 outputs[m] = stage_inputs[m] = None
         for work, _ in sends:
             work.wait()
-        self._buffers[key] = (in_bufs, grad_bufs)
+        if not known:
+            self._buffers[key] = (in_bufs, grad_bufs)
+            # The first step of a shape ran on gloo and learnt the shapes; map shared slots
+            # for the next ones (previous neighbour first: the chain cannot deadlock).
+            if prev_ch is not None:
+                prev_ch.open_region(key, [(tuple(b.shape), b.dtype) for b in in_bufs])
+            if next_ch is not None:
+                next_ch.open_region(key, [(tuple(b.shape), b.dtype) for b in grad_bufs])
         self.last_busy_s = busy
         if self.dp_group is not None:
             average_gradients(self.module, self.dp_group)

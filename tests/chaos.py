@@ -1,0 +1,140 @@
+"""A small chaos helper: find a torchrelay job's processes by their environment, signal them by pid.
+
+Contract:
+- Processes are found by reading ``/proc/<pid>/environ`` (only this user's are readable):
+  ``RELAY_JOB_ID`` names the job, ``RELAY_ATTEMPT`` the attempt, ``RANK`` the worker's rank.
+  Zombies have no environment and are never listed.
+- ``worker_pids`` returns the *script* processes (the user's training code). Under the
+  worker exit hook each rank is a supervisor plus the script process it forked, both with the
+  rank's ``RANK``; the script process is the one whose parent is that supervisor. For a rank
+  run without the hook (one process) that process is returned.
+- Signalling functions act on the given pids only, never on groups or names; a pid already
+  gone is skipped. Nothing here starts or waits for processes except ``wait_until``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class JobProcess:
+    pid: int
+    ppid: int
+    rank: int | None     # None for torchrun itself (it has no RANK)
+    attempt: int | None
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0]
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def job_processes(job_id: str, attempt: int | None = None) -> list[JobProcess]:
+    """Live processes of ``job_id`` (torchrun, supervisors, scripts), optionally of one attempt."""
+    out = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        env = _environ(pid)
+        if not env or env.get("RELAY_JOB_ID") != job_id:
+            continue
+        stat = _ppid_and_state(pid)
+        if stat is None or stat[1] == "Z":
+            continue
+        proc = JobProcess(pid=pid, ppid=stat[0], rank=_int(env.get("RANK")), attempt=_int(env.get("RELAY_ATTEMPT")))
+        if attempt is None or proc.attempt == attempt:
+            out.append(proc)
+    return sorted(out, key=lambda p: p.pid)
+
+
+def job_pids(job_id: str, attempt: int | None = None) -> list[int]:
+    """Pids of every live process of the job (or of one attempt of it)."""
+    return [p.pid for p in job_processes(job_id, attempt)]
+
+
+def worker_pids(job_id: str, rank: int | None = None, attempt: int | None = None) -> dict[int, int]:
+    """``{rank: pid}`` of the job's script processes (see the module docstring)."""
+    procs = [p for p in job_processes(job_id, attempt) if p.rank is not None]
+    out: dict[int, int] = {}
+    for r in sorted({p.rank for p in procs}):
+        if rank is not None and r != rank:
+            continue
+        of_rank = [p for p in procs if p.rank == r]
+        pids = {p.pid for p in of_rank}
+        scripts = [p for p in of_rank if p.ppid in pids]
+        if scripts:
+            out[r] = scripts[0].pid
+        elif len(of_rank) == 1:
+            out[r] = of_rank[0].pid
+    return out
+
+
+def signal_pids(pids: Iterable[int], sig: int) -> list[int]:
+    """Send ``sig`` to each pid; returns those it reached."""
+    reached = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            reached.append(pid)
+        except ProcessLookupError:
+            pass
+    return reached
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Signal one process (SIGKILL by default). False if it was already gone."""
+    return bool(signal_pids([pid], sig))
+
+
+def freeze(pid: int) -> bool:
+    """SIGSTOP one process (it hangs where it is, e.g. inside a collective)."""
+    return kill(pid, signal.SIGSTOP)
+
+
+def thaw(pid: int) -> bool:
+    """SIGCONT one process."""
+    return kill(pid, signal.SIGCONT)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned); AssertionError naming
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
