@@ -6,7 +6,10 @@
     1% of running jobs end, the queue is topped up to 10,000 and decisions are applied).
 (b) with ``--server-part``: job submissions accepted per second over HTTP, and no-op jobs
     completed per second, on the real server (``torchrelay.server.app.create_app``); skipped
-    when that module is not there.
+    when that module is not there. Also the server's CPU time per submission (what one core
+    could accept whatever else runs), each no-op job's time queued / launching / running, and
+    the CPU one no-op job costs (server, agents and their torchrun and workers). A baseline
+    tree runs the same way: ``PYTHONPATH=OLD_TREE python OLD_TREE/bench/scheduler.py ...``.
 (c) one simulated trace (``torchrelay.scheduler.simulate``): mean wait and utilisation of the
     policy next to plain FIFO (``fifo.schedule_fifo``), on the same cluster and trace.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
@@ -150,22 +154,31 @@ def part_b(submits: int, noop_jobs: int, threads: int = 8, timeout_s: float = 30
                         errors.append(exc)
 
                 workers = [threading.Thread(target=submit_some, args=(submits // threads,)) for _ in range(threads)]
+                server_cpu = _cpu_seconds(cluster.pids[0])
+                client_cpu = time.process_time()
                 started = time.perf_counter()
                 for w in workers:
                     w.start()
                 for w in workers:
                     w.join()
                 elapsed = time.perf_counter() - started
+                done = threads * (submits // threads)
+                server_ms = (_cpu_seconds(cluster.pids[0]) - server_cpu) / done * 1e3
+                client_ms = (time.process_time() - client_cpu) / done * 1e3
                 if errors:
                     raise errors[0]
-            out["submits_per_s"] = round(threads * (submits // threads) / elapsed, 1)
-            print(f"(b) submissions: {threads * (submits // threads)} over HTTP from {threads} threads in "
+            out["submits_per_s"] = round(done / elapsed, 1)
+            out["server_cpu_ms_per_submit"] = round(server_ms, 3)
+            print(f"(b) submissions: {done} over HTTP from {threads} threads in "
                   f"{elapsed:.2f} s: {out['submits_per_s']:.0f}/s (goal >= 1000/s)")
+            print(f"(b) CPU per submission: server {server_ms:.2f} ms (one core could accept "
+                  f"{1e3 / server_ms:.0f}/s), client {client_ms:.2f} ms; both share this machine's cores")
         finally:
             cluster.stop()
         cluster = start_cluster(agents=2, home=Path(tmp) / "noop")
         try:
             with RelayClient(cluster.address, user="bench") as client:
+                cpu_before = sum(_cpu_seconds(p) for p in cluster.pids)
                 started = time.perf_counter()
                 ids = [client.submit(spec, upload=False).id for _ in range(noop_jobs)]
                 done_states = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
@@ -177,15 +190,52 @@ def part_b(submits: int, noop_jobs: int, threads: int = 8, timeout_s: float = 30
                         break
                     time.sleep(0.05)
                 elapsed = time.perf_counter() - started
-                failed = [j.id for j in finished if j.state != JobState.SUCCEEDED]
+                time.sleep(1.0)  # let the agents reap their last launches so their CPU is counted
+                cpu_per_job = (sum(_cpu_seconds(p) for p in cluster.pids) - cpu_before) / max(1, len(finished))
+                failed = [f"{j.id}: {j.failure.reason if j.failure else j.state.value}"
+                          for j in finished if j.state != JobState.SUCCEEDED]
                 nodes = {n.name: n.state for n in client.nodes()}
+                phases = _phases([client.job(i) for i in ids])
             out["noop_jobs_per_s"] = round(len(finished) / elapsed, 2)
             late = "" if len(finished) == len(ids) else f" (TIMED OUT after {timeout_s:g} s; nodes: {nodes})"
             print(f"(b) no-op jobs: {len(finished)} of {noop_jobs} finished on 2 agents in {elapsed:.2f} s: "
                   f"{out['noop_jobs_per_s']:.2f}/s (goal >= 50/s); not succeeded: {failed or 'none'}{late}")
+            for name, values in phases.items():
+                print(f"(b)   per job, {name:28s} median {statistics.median(values):6.2f} s "
+                      f"(max {max(values):.2f})")
+            print(f"(b)   CPU per no-op job (server + agents + their torchrun and workers): {cpu_per_job:.2f} s; "
+                  f"at that cost this machine's {os.cpu_count()} cores finish at most "
+                  f"{(os.cpu_count() or 1) / cpu_per_job:.2f} jobs/s")
+            out["noop_cpu_s_per_job"] = round(cpu_per_job, 3)
+            out["noop_launch_s_median"] = round(statistics.median(phases["scheduled -> running (launch)"]), 2)
         finally:
             cluster.stop()
     return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its reaped children (from /proc)."""
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _phases(jobs) -> dict[str, list[float]]:
+    """Seconds each job spent queued, launching (placed -> first rank running) and running."""
+    from torchrelay.spec import JobState
+
+    out: dict[str, list[float]] = {"queued -> scheduled": [], "scheduled -> running (launch)": [],
+                                   "running -> finished": []}
+    for job in jobs:
+        times = {}
+        for event in job.events:
+            times.setdefault(event.state, event.time)
+        if JobState.SCHEDULED in times and JobState.RUNNING in times and job.finished_at:
+            out["queued -> scheduled"].append(times[JobState.SCHEDULED] - times[JobState.QUEUED])
+            out["scheduled -> running (launch)"].append(times[JobState.RUNNING] - times[JobState.SCHEDULED])
+            out["running -> finished"].append(job.finished_at - times[JobState.RUNNING])
+    return {k: v for k, v in out.items() if v}
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -80,14 +79,18 @@ def resumed_from(points, attempt: int) -> int | None:
     return found.pop() if found else None
 
 
-def assert_resumes(points, attempts: int) -> list[tuple[int, int]]:
+def assert_resumes(points, attempts: int, unreported_steps: bool = False) -> list[tuple[int, int]]:
     """Each attempt after the first resumed from a checkpoint at most one interval behind the
-    last step its predecessor reported; returns (last reported, resumed from) per restart."""
+    last step its predecessor reported; returns (last reported, resumed from) per restart.
+    ``unreported_steps``: the predecessor may have trained (and checkpointed) steps whose
+    metrics never reached the server (workers of a lost node run on until their agent returns)."""
     pairs = []
     for attempt in range(2, attempts + 1):
         last, resumed = max_step(points, attempt - 1), resumed_from(points, attempt)
         assert resumed is not None, f"attempt {attempt} did not resume from a checkpoint"
-        assert 0 < resumed <= last, (attempt, last, resumed)
+        assert resumed > 0 and resumed % INTERVAL == 0, (attempt, last, resumed)
+        if not unreported_steps:
+            assert resumed <= last, (attempt, last, resumed)
         assert last - resumed <= INTERVAL, f"attempt {attempt} repeats {last - resumed} steps (> {INTERVAL})"
         pairs.append((last, resumed))
     return pairs
@@ -118,6 +121,27 @@ def assert_nothing_left(job_id: str) -> None:
 
 
 # ---------------------------------------------------------------- tests
+
+
+def test_ranks_agree_on_a_stop_request_only_one_received(tmp_path):
+    """SIGTERM reaches ranks at different moments; ``checkpoint_due``/``should_stop`` must still
+    answer alike on every rank, or one would start a collective save the other never joins."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RELAY_JOB_ID": "agree-test", "RELAY_OUTPUT_DIR": str(tmp_path),
+           "RELAY_LOG_DIR": str(tmp_path / "logs"), "RELAY_RANK_STATUS_DIR": str(tmp_path / "status")}
+    for var in ("RELAY_STORE_URL", "RELAY_JOB_STORE_PREFIX", "RELAY_CHECKPOINT", "RELAY_METRICS_DIR"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "torchrelay.agent.worker", "agree.py"], cwd=JOBS, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+    logs = "".join((tmp_path / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
+    assert proc.returncode == 0, output.decode(errors="replace")[-3000:] + logs
+    for rank in (0, 1):
+        assert f"rank {rank} stopped after step 3 (checkpoint_due=True)" in logs, logs
 
 
 def test_killed_and_failing_worker_resume_from_checkpoint(cluster_factory, reference_model, tmp_path):
@@ -207,7 +231,7 @@ def test_killed_agent_node_lost_job_moves_and_orphans_are_ended(cluster_factory,
     cluster = cluster_factory(2, heartbeat_timeout_s=3)
     restarted = None
     with RelayClient(cluster.address) as c:
-        job = c.submit(trainer_spec("moves", "--sleep 0.15", nodes=1, workers_per_node=2), base_dir=JOBS)
+        job = c.submit(trainer_spec("moves", "--sleep 0.4", nodes=1, workers_per_node=2), base_dir=JOBS)
         chaos.wait_until(lambda: reached_step(c, job.id, 1, 12), 120, "step 12 of attempt 1")
         (first,) = c.job(job.id).placement
         index = int(first.node_name.rsplit("-", 1)[1])
@@ -239,7 +263,7 @@ def test_killed_agent_node_lost_job_moves_and_orphans_are_ended(cluster_factory,
             assert final.state == JobState.SUCCEEDED, describe(c, final)
             assert final.restarts == 0, "a lost node does not count against max_restarts"
             assert "lost" in final.restart_reasons[0].reason
-            assert_resumes(metric_points(c, job.id), attempts=final.attempt)
+            assert_resumes(metric_points(c, job.id), attempts=final.attempt, unreported_steps=True)
             assert_same_model(c, job.id, tmp_path / "out", reference_model)
             assert_nothing_left(job.id)
         finally:
@@ -256,11 +280,12 @@ def test_preempted_job_checkpoints_in_grace_requeues_and_resumes(cluster_factory
     counted), then it resumes exactly there once the urgent job finished."""
     cluster = cluster_factory(1, agent_cpus=2)
     with RelayClient(cluster.address) as c:
-        victim = c.submit(trainer_spec("victim", "--sleep 0.15", stop_grace_s=60), base_dir=JOBS)
+        victim = c.submit(trainer_spec("victim", "--sleep 0.5", stop_grace_s=60), base_dir=JOBS)
         chaos.wait_until(lambda: reached_step(c, victim.id, 1, 8), 120, "step 8 of the victim")
         urgent = c.submit(trainer_spec("urgent", "--samples 16", priority=10, preemptible=False,
                                        checkpoint={"every_steps": 0}), base_dir=JOBS)
-        assert c.wait(urgent.id, timeout=180).state == JobState.SUCCEEDED
+        done = c.wait(urgent.id, timeout=180)
+        assert done.state == JobState.SUCCEEDED, describe(c, done)
         final = c.wait(victim.id, timeout=180)
         assert final.state == JobState.SUCCEEDED, describe(c, final)
         assert final.restarts == 0 and final.attempt == 2

@@ -165,3 +165,57 @@ def test_good_push_applies_once_and_a_resend_is_not_reapplied(shard_server):
         stale, message = exchange(sock, future + grad.numpy().tobytes())
         assert stale.op == P.Op.ERROR and b"out of order" in message
     assert shard_server.version == 1
+
+
+OPTIMIZERS = {
+    "sgd": ServerOptimizer(name="sgd", lr=0.1),
+    "sgd momentum wd": ServerOptimizer(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": ServerOptimizer(name="adam", lr=0.01, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_update_overlapped_with_the_reply_chunk_by_chunk_equals_the_whole_update(mode, opt_name):
+    """The same pushes through a server that updates and replies in 16-byte chunks (tensors
+    cut mid-way, many chunks) and one that does it in one piece: bit-identical replies,
+    parameters and optimizer state (Adam's per-tensor step counts move once per push)."""
+    layout = [ParamSpec("w", "float32", (7, 5)), ParamSpec("b", "float32", (5,)), ParamSpec("h", "float64", (9,))]
+    shard = make_plan(layout, 1).shard(0)
+    opt = OPTIMIZERS[opt_name]
+    servers, threads = [], []
+    for chunk_bytes in (16, 1 << 20):
+        state = ShardState.allocate(shard, buffers_for(opt), workers=1)
+        server = ShardServer(shard, state, num_workers=1, mode=mode, staleness=1, optimizer=opt,
+                             chunk_bytes=chunk_bytes)
+        threads.append(threading.Thread(target=server.serve_forever, daemon=True))
+        threads[-1].start()
+        servers.append(server)
+    try:
+        g = torch.Generator().manual_seed(0)
+        init_data = torch.randn(shard.nbytes // 4, generator=g).numpy().tobytes()
+        replies: list[list[bytes]] = [[], []]
+        for k, server in enumerate(servers):
+            with connect(server) as sock:
+                reply, _ = exchange(sock, P.pack(header(server, P.Op.INIT, payload_len=len(init_data))) + init_data)
+                assert reply.op == P.Op.OK
+                g = torch.Generator().manual_seed(1)
+                for step in range(3):
+                    grad = torch.randn(shard.nbytes // 4, generator=g).numpy().tobytes()
+                    reply, payload = exchange(sock, P.pack(header(server, P.Op.PUSH, step=step,
+                                                                  payload_len=len(grad))) + grad)
+                    assert reply.op == P.Op.PARAMS and reply.step == step + 1
+                    replies[k].append(payload)
+        assert replies[0] == replies[1]
+        assert replies[0][0] != replies[0][2]  # the pushes did change the parameters
+        chunked, whole = (s.state for s in servers)
+        assert torch.equal(chunked.params, whole.params)
+        for a, b in zip(chunked.buffers, whole.buffers):
+            assert torch.equal(a, b)
+        assert torch.equal(chunked.steps, whole.steps)
+        if opt.name == "adam":
+            assert chunked.steps.tolist() == [3.0] * len(shard.segments)
+    finally:
+        for server, thread in zip(servers, threads):
+            server.stop()
+            thread.join(timeout=5)

@@ -158,3 +158,41 @@ def test_strategy_comes_from_ctx_or_relay_strategy_env(monkeypatch):
     assert worker_world(types.SimpleNamespace(rank=1, world_size=4)) == (1, 2)
     monkeypatch.setenv("RELAY_STRATEGY", '{"kind": "ddp"}')
     assert worker_world(types.SimpleNamespace(rank=3, world_size=4)) == (3, 4)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("servers", [1, 3])
+@pytest.mark.parametrize("chunk_bytes", [16, 48, 1 << 20])
+def test_chunk_pieces_tile_the_shard_on_element_edges(name, servers, chunk_bytes):
+    from torchrelay.train.ps.server import chunk_pieces
+
+    plan = make_plan(LAYOUTS[name], servers)
+    for i in range(servers):
+        shard = plan.shard(i)
+        chunks = chunk_pieces(shard, chunk_bytes)
+        if shard.nbytes == 0:
+            assert chunks == []
+            continue
+        # the chunks tile [0, nbytes) in order, none longer than chunk_bytes
+        assert [c[0] for c in chunks] == list(range(0, shard.nbytes, chunk_bytes))
+        assert chunks[-1][1] == shard.nbytes and all(0 < e - b <= chunk_bytes for b, e, _ in chunks)
+        # the pieces of all chunks tile every segment exactly, on its element edges
+        seen: dict[int, list[tuple[int, int]]] = {}
+        for begin, end, pieces in chunks:
+            for seg_index, lo, hi in pieces:
+                seg = shard.segments[seg_index]
+                assert begin <= lo < hi <= end
+                assert (lo - seg.offset) % ITEMSIZE[seg.dtype] == 0 and (hi - seg.offset) % ITEMSIZE[seg.dtype] == 0
+                seen.setdefault(seg_index, []).append((lo, hi))
+        for seg_index, seg in enumerate(shard.segments):
+            ranges = seen[seg_index]
+            assert ranges[0][0] == seg.offset and ranges[-1][1] == seg.offset + seg.nbytes
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("bad", [0, -16, 8, 100])
+def test_chunk_pieces_refuses_a_chunk_size_that_could_split_an_element(bad):
+    from torchrelay.train.ps.server import chunk_pieces
+
+    with pytest.raises(ValueError, match=f"chunk_bytes={bad}"):
+        chunk_pieces(make_plan(LAYOUTS["mlp"], 1).shard(0), bad)

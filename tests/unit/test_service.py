@@ -424,3 +424,31 @@ def test_queue_view_estimates_start_from_declared_runtimes(svc):
     assert launch.job_id == running.id
     (row,) = svc.queue_view()
     assert row["id"] == waiting.id and row["estimated_start"] == pytest.approx(svc.clock_ref.now + 100)
+
+
+def test_concurrent_submits_are_each_written_once_and_errors_stay_with_their_own(svc):
+    import threading
+
+    add_node(svc, "a", cpus=2)
+    results, errors = [], []
+
+    def submit_some(i: int) -> None:
+        for k in range(20):
+            workers = 99 if (i, k) == (3, 7) else 1  # one submission can never fit
+            try:
+                results.append((f"t{i}-{k}", svc.submit(spec(workers=workers, name=f"t{i}-{k}"), None, "u")))
+            except Unschedulable as exc:
+                errors.append((f"t{i}-{k}", str(exc)))
+
+    threads = [threading.Thread(target=submit_some, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [name for name, _ in errors] == ["t3-7"] and "99 workers" in errors[0][1]
+    assert len(results) == 119 and len({info.id for _, info in results}) == 119
+    for name, info in results:
+        stored = svc.get_job(info.id)
+        assert stored.name == name == info.name and stored.state == JobState.QUEUED
+        assert [e.message for e in stored.events] == ["submitted"]
+    assert svc.job_count() == 119

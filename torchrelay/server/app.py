@@ -88,8 +88,10 @@ def create_app(service: ClusterService) -> FastAPI:
     # ------------------------------------------------------------ jobs
 
     @api.post("/jobs", response_model=JobInfo, status_code=201)
-    def submit(body: SubmitRequest, request: Request) -> JobInfo:
-        return svc.submit(body.spec, body.bundle, request.headers.get("x-relay-user"))
+    def submit(body: SubmitRequest, request: Request) -> Response:
+        info = svc.submit(body.spec, body.bundle, request.headers.get("x-relay-user"))
+        # serialized once here: returning the model would have FastAPI validate it again
+        return Response(content=info.model_dump_json(), media_type="application/json", status_code=201)
 
     @api.get("/jobs", response_model=list[JobInfo])
     def list_jobs(state: str | None = None, limit: int = Query(100, ge=1, le=10000)) -> list[JobInfo]:

@@ -25,9 +25,10 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from torchrelay import scheduler as policy
@@ -69,6 +70,45 @@ def queued_job(row: JobRow, spec: JobSpec) -> policy.QueuedJob:
         max_runtime_s=spec.max_runtime_s)
 
 
+_SCHEDULER_STATES = (JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
+                     JobState.RESTARTING.value, JobState.CANCELLING.value)
+_BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.priority, JobRow.submitted_at,
+                  JobRow.started_at, JobRow.attempt, JobRow.requeue, JobRow.waiting_reason)
+
+
+@dataclass(frozen=True, slots=True)
+class _Brief:
+    """The columns of a job row one scheduling cycle needs (read without building ORM objects)."""
+
+    seq: int
+    name: str
+    user: str | None
+    state: str
+    priority: int
+    submitted_at: float
+    started_at: float | None
+    attempt: int
+    requeue: bool | None
+    waiting_reason: str | None
+
+    @property
+    def id(self) -> str:
+        return job_id_of(self.seq)
+
+
+@dataclass(slots=True)
+class _PendingSubmit:
+    """A validated submission waiting to be written; ``info`` or ``error`` once ``done``."""
+
+    spec: JobSpec
+    public: dict[str, Any]
+    bundle: str | None
+    probe: policy.QueuedJob
+    done: bool = False
+    info: JobInfo | None = None
+    error: BaseException | None = None
+
+
 class ClusterService:
     """Owns the store; see the module docstring for the contract."""
 
@@ -90,6 +130,9 @@ class ClusterService:
         self.quotas = quotas or QuotaTable()
         # job seq -> (attempt, server time it was placed): what max_runtime_s counts from
         self._attempt_started: dict[int, tuple[int, float]] = {}
+        self._ready_nodes: tuple[policy.NodeView, ...] | None = None  # None: read again
+        self._pending: list[_PendingSubmit] = []  # submissions waiting for the group commit
+        self._pending_lock = threading.Lock()
         self.min_tick_interval_s = 0.02  # a burst of submits shares one scheduling cycle
 
     # ------------------------------------------------------------ background loop
@@ -116,12 +159,15 @@ class ClusterService:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self.tick()
             except Exception:  # the loop must survive a bad row; the error is logged
                 import logging
                 logging.getLogger("torchrelay.server").exception("scheduler tick failed")
-            self._stop.wait(self.min_tick_interval_s)
+            # a long queue makes a cycle cost more: space cycles so that they hold the lock at
+            # most about a third of the time and requests (submits, heartbeats) get through
+            self._stop.wait(max(self.min_tick_interval_s, 2 * (time.monotonic() - started)))
             self._wake.wait(self.tick_s)
             self._wake.clear()
 
@@ -149,21 +195,64 @@ class ClusterService:
         problem = policy.job_problem(probe)
         if problem:
             raise InvalidSpec(f"job {spec.name!r}: {problem}")
-        with self._lock, self._sessions.begin() as s:
-            nodes = self._node_views(s)
-            if nodes and not policy.fits_ever(probe, tuple(nodes)):
-                raise Unschedulable(self._never_fits_message(spec, nodes))
-            now = self.clock()
-            row = JobRow(name=spec.name, user=spec.user, state=JobState.QUEUED.value, spec=spec.to_public(),
-                         bundle=bundle, priority=spec.priority, submitted_at=now, restart_reasons=[],
-                         last_metrics={}, requeue=False)
-            s.add(row)
-            s.flush()
-            s.add(EventRow(job_seq=row.seq, time=now, state=JobState.QUEUED.value, message="submitted"))
-            info = self._job_info(s, row, events=True)
+        ticket = _PendingSubmit(spec=spec, public=spec.to_public(), bundle=bundle, probe=probe)
+        with self._pending_lock:
+            self._pending.append(ticket)
+        with self._lock:  # group commit: the first to get the lock writes every pending submission
+            if not ticket.done:
+                self._write_pending_submits()
+        if ticket.error is not None:
+            raise ticket.error
         self.notifier.bump("jobs")
         self._kick()
-        return info
+        assert ticket.info is not None
+        return ticket.info
+
+    def _write_pending_submits(self) -> None:
+        """Insert every queued submission in one transaction (caller holds ``_lock``). Concurrent
+        submits wait on the lock anyway; writing them together costs one commit and one
+        executemany instead of one each. Each ticket gets its JobInfo or its error."""
+        with self._pending_lock:
+            tickets, self._pending = self._pending, []
+        try:
+            with self._sessions.begin() as s:
+                nodes = self._ready_node_views(s)
+                good = []
+                for ticket in tickets:
+                    if nodes and not policy.fits_ever(ticket.probe, nodes):
+                        ticket.error = Unschedulable(self._never_fits_message(ticket.spec, list(nodes)))
+                    else:
+                        good.append(ticket)
+                if good:
+                    self._insert_jobs(s, good)
+        except BaseException as exc:  # nothing was written: every ticket without its own error gets this one
+            for ticket in tickets:
+                if ticket.error is None:
+                    ticket.info, ticket.error = None, exc
+            raise
+        finally:
+            for ticket in tickets:
+                ticket.done = True
+
+    def _insert_jobs(self, s: Session, tickets: list["_PendingSubmit"]) -> None:
+        # Core inserts and JobInfos built from what was written: the ORM's unit of work and a
+        # read-back cost more than the inserts themselves (see bench/scheduler.py part b)
+        now = self.clock()
+        conn = s.connection()
+        rows = [dict(name=t.spec.name, user=t.spec.user, state=JobState.QUEUED.value, spec=t.public, bundle=t.bundle,
+                     priority=t.spec.priority, submitted_at=now, attempt=0, restarts=0, restart_reasons=[],
+                     last_metrics={}, requeue=False) for t in tickets]
+        result = conn.execute(insert(JobRow.__table__).returning(JobRow.__table__.c.seq, sort_by_parameter_order=True),
+                              rows)
+        seqs = [r[0] for r in result]
+        conn.execute(insert(EventRow.__table__), [dict(job_seq=seq, time=now, state=JobState.QUEUED.value,
+                                                       message="submitted") for seq in seqs])
+        for ticket, seq in zip(tickets, seqs):
+            self._spec_cache[seq] = ticket.spec
+            ticket.info = JobInfo(id=job_id_of(seq), name=ticket.spec.name, user=ticket.spec.user,
+                                  state=JobState.QUEUED, spec=ticket.public, bundle=ticket.bundle,
+                                  priority=ticket.spec.priority, submitted_at=now, attempt=0, restarts=0,
+                                  events=[JobEvent(time=now, state=JobState.QUEUED, message="submitted")])
 
     def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
         with self._sessions() as s:
@@ -250,6 +339,7 @@ class ClusterService:
                 node.gpu_type, node.memory, node.labels = reg.gpu_type, reg.memory, reg.labels
                 node.state, node.last_seen = "READY", now
             node_id = node.id
+            self._ready_nodes = None
         self._kick()
         self.notifier.bump(f"node:{node_id}")
         return RegisterReply(node_id=node_id, heartbeat_timeout_s=self.heartbeat_timeout_s)
@@ -265,6 +355,7 @@ class ClusterService:
             node.last_seen = now
             if was_lost:
                 node.state = "READY"
+                self._ready_nodes = None
             reported = {r.launch_id for r in hb.launches}
             # a launch the agent had acknowledged but no longer has was lost with the agent
             for launch in s.scalars(select(LaunchRow).where(LaunchRow.node_id == node_id,
@@ -383,12 +474,26 @@ class ClusterService:
             spec = self._spec_cache[row.seq] = JobSpec.parse(row.spec)
         return spec
 
+    def _spec_of(self, s: Session, seq: int) -> JobSpec:
+        """``_spec`` by job seq: reads the spec column only when this process has not parsed it."""
+        spec = self._spec_cache.get(seq)
+        if spec is None:
+            data = s.scalar(select(JobRow.spec).where(JobRow.seq == seq))
+            spec = self._spec_cache[seq] = JobSpec.parse(data)
+        return spec
+
     def _job(self, s: Session, job_id: str) -> JobRow:
         seq = job_seq_of(job_id)
         row = s.get(JobRow, seq) if seq is not None else None
         if row is None:
             raise NotFound(f"job {job_id!r} does not exist; `relay ls` lists the jobs")
         return row
+
+    def _ready_node_views(self, s: Session) -> tuple[policy.NodeView, ...]:
+        """``_node_views(s)`` cached until a node registers or changes state (submit's check)."""
+        if self._ready_nodes is None:
+            self._ready_nodes = tuple(self._node_views(s))
+        return self._ready_nodes
 
     def _node_views(self, s: Session, include_lost: bool = False) -> list[policy.NodeView]:
         """Nodes as the policy sees them; LOST ones (only with ``include_lost``) are not ready,
@@ -476,7 +581,7 @@ class ClusterService:
             s.add(EventRow(job_seq=row.seq, time=now, state=row.state, message=f"stopping: {reason}"))
             self.notifier.bump(f"job:{row.seq}")
 
-    def _attempt_start(self, s: Session, row: JobRow) -> float | None:
+    def _attempt_start(self, s: Session, row: "JobRow | _Brief") -> float | None:
         """When the job's current attempt was placed (server clock), or None before any."""
         if not row.attempt:
             return None
@@ -580,6 +685,7 @@ class ClusterService:
         deadline = self.clock() - self.heartbeat_timeout_s
         for node in s.scalars(select(NodeRow).where(NodeRow.state == "READY", NodeRow.last_seen < deadline)):
             node.state = "LOST"
+            self._ready_nodes = None
             for launch in s.scalars(select(LaunchRow).where(LaunchRow.node_id == node.id,
                                                              LaunchRow.state != "exited")):
                 self._launch_exited(s, launch, LaunchStatus(
@@ -605,33 +711,37 @@ class ClusterService:
 
     # ------------------------------------------------------------ internals: scheduling
 
-    def _policy_input(self, s: Session) -> tuple[policy.SchedulerInput, dict[str, tuple[JobRow, JobSpec]]]:
+    def _policy_input(self, s: Session) -> tuple[policy.SchedulerInput, dict[str, tuple["_Brief", JobSpec]]]:
         """What the policy sees now: nodes, jobs holding resources, the queue and the quotas of
-        the users in it. Live launches are read in one query, not one per job."""
+        the users in it. Read as plain columns (no ORM objects, no spec JSON: specs are parsed
+        once per job and cached) and live launches in one query, so a cycle over a long queue
+        costs little beyond the policy itself."""
         nodes = self._node_views(s, include_lost=True)
-        live_by_job: dict[int, list[LaunchRow]] = {}
-        for launch in s.scalars(select(LaunchRow).where(LaunchRow.state != "exited")
-                                .order_by(LaunchRow.job_seq, LaunchRow.node_rank)):
+        live_by_job: dict[int, list[Any]] = {}
+        for launch in s.execute(select(LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc,
+                                       LaunchRow.cpu, LaunchRow.gpu, LaunchRow.memory)
+                                .where(LaunchRow.state != "exited").order_by(LaunchRow.job_seq, LaunchRow.node_rank)):
             live_by_job.setdefault(launch.job_seq, []).append(launch)
         running, queue, rows = [], [], {}
-        for row in s.scalars(select(JobRow).where(JobRow.state.in_(
-                [JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
-                 JobState.RESTARTING.value, JobState.CANCELLING.value])).order_by(JobRow.seq)):
-            spec = self._spec(row)
-            live = [x for x in live_by_job.get(row.seq, ()) if x.attempt == row.attempt] if row.attempt else []
+        for row in s.execute(select(*_BRIEF_COLUMNS).where(JobRow.state.in_(_SCHEDULER_STATES)).order_by(JobRow.seq)):
+            brief = _Brief(*row)
+            spec = self._spec_of(s, brief.seq)
+            live = [x for x in live_by_job.get(brief.seq, ()) if x.attempt == brief.attempt] if brief.attempt else []
             if live:
                 granted = live[0]  # the launch records the shape the policy granted
                 shape = policy.WorkerShape(cpu=granted.cpu, gpu=granted.gpu, memory=granted.memory,
                                            gpu_type=spec.resources.gpu_type if granted.gpu else None,
                                            accelerator="required" if granted.gpu else "none")
+                started = self._attempt_start(s, brief)
                 running.append(policy.Allocation(
-                    job_id=row.id, user=row.user or "", priority=row.priority, shape=shape,
+                    job_id=brief.id, user=brief.user or "", priority=brief.priority, shape=shape,
                     placement=tuple((x.node_id, x.nproc) for x in live), preemptible=spec.preemptible,
-                    started_at=self._attempt_start(s, row) or row.submitted_at, max_runtime_s=spec.max_runtime_s,
-                    preempting=bool(row.requeue) or row.state == JobState.CANCELLING.value))
-            elif row.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
-                queue.append(queued_job(row, spec))
-                rows[row.id] = (row, spec)
+                    started_at=started if started is not None else brief.submitted_at,
+                    max_runtime_s=spec.max_runtime_s,
+                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value))
+            elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
+                queue.append(queued_job(brief, spec))  # type: ignore[arg-type]
+                rows[brief.id] = (brief, spec)
         quotas = self.quotas.for_users([a.user for a in running] + [q.user for q in queue])
         inp = policy.SchedulerInput(nodes=tuple(nodes), running=tuple(running), queue=tuple(queue),
                                     now=self.clock(), quotas=quotas)
@@ -652,7 +762,7 @@ class ClusterService:
             row, spec = rows[job_id]
             out.append({"position": position, "id": job_id, "name": row.name, "user": row.user,
                         "priority": row.priority, "workers": process_count(spec), "state": row.state,
-                        "submitted_at": row.submitted_at,
+                        "submitted_at": row.submitted_at, "max_runtime_s": spec.max_runtime_s,
                         "reason": "starting" if job_id in placed else decisions.waiting.get(job_id, ""),
                         "estimated_start": decisions.estimated_start.get(job_id)})
         return out
@@ -662,18 +772,21 @@ class ClusterService:
         if not inp.queue:
             return
         decisions = policy.schedule(inp)
-        by_id = {n.id: n for n in s.scalars(select(NodeRow))}
+        by_id = {n.id: n for n in s.scalars(select(NodeRow))} if decisions.placements else {}
         for placement in decisions.placements:
-            row, spec = rows[placement.job_id]
-            self._place(s, row, spec, placement, by_id)
+            brief, spec = rows[placement.job_id]
+            self._place(s, s.get(JobRow, brief.seq), spec, placement, by_id)
         for victim in decisions.preemptions:
             vrow = self._job(s, victim)
             if JobState(vrow.state).active and JobState(vrow.state) != JobState.CANCELLING:
                 vrow.requeue = True
                 self._stop_launches(s, vrow, "preempted by a higher-priority job")
-        for job_id, reason in decisions.waiting.items():
-            if job_id in rows and rows[job_id][0].waiting_reason != reason:
-                rows[job_id][0].waiting_reason = reason
+        changed = [{"b_seq": rows[job_id][0].seq, "b_reason": reason} for job_id, reason in decisions.waiting.items()
+                   if job_id in rows and rows[job_id][0].waiting_reason != reason]
+        if changed:  # one executemany, not one ORM object per waiting job
+            s.connection().execute(
+                update(JobRow.__table__).where(JobRow.__table__.c.seq == bindparam("b_seq"))
+                .values(waiting_reason=bindparam("b_reason")), changed)
 
     def _place(self, s: Session, row: JobRow, spec: JobSpec, placement: policy.Placement,
                nodes: dict[str, NodeRow]) -> None:

@@ -22,6 +22,10 @@ per micro-batch: stage 0 sends one 10-integer header per step (dtype and batch s
 the chain; only the first step of a new shape sends each activation's shape ahead of it
 (running the blocks on the meta device instead costs seconds of lazy imports). It assumes
 point-to-point messages are matched by tag (gloo); on NCCL ``prepare`` uses torch's runtime.
+Neighbours on the same host (``prev_channel``/``next_channel``, see shm.py) use gloo only for
+the first step of a shape; from then on activations and gradients go through shared-memory
+slots with a one-byte signal each (no gloo threads, at most one wake-up per message), and the
+per-step header goes over the same channel.
 """
 from __future__ import annotations
 

@@ -111,7 +111,6 @@ class _ShardLink:
         self.sock: socket.socket | None = None
         self.reconnects = 0
         self.pid = 0
-        self._send_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def connect(self, newer_than: int = 0) -> None:
         generation, host, port, pid = self.directory.lookup(self.index, newer_than, self.reconnect_timeout_s)
@@ -133,10 +132,6 @@ class _ShardLink:
     def close(self) -> None:
         if self.sock is not None:
             try:
-                try:  # shutdown first: it also wakes a sending thread blocked on this socket
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 self.sock.close()
             finally:
                 self.sock = None
@@ -165,41 +160,9 @@ class _ShardLink:
     def _exchange(self, header: P.Header, payloads: list[Any], reply_into: memoryview | None) -> tuple[P.Header, bytes]:
         assert self.sock is not None
         self.sock.sendall(P.pack(header))
-        sending = None
-        if reply_into is not None and any(len(p) for p in payloads):
-            # A server streams its reply while the push still arrives (server.py, streamed
-            # update): read it meanwhile, sending from a second thread.
-            sending = self._sender().submit(self._send_all, self.sock, payloads)
-        else:
-            self._send_all(self.sock, payloads)
-        if sending is None:
-            return self._read_reply(header, reply_into)
-        sock = self.sock
-        try:
-            result = self._read_reply(header, reply_into)
-        except BaseException:
-            try:  # unblock the sending thread before waiting for it
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            concurrent.futures.wait([sending])
-            raise
-        sending.result()  # the reply came; an error here means the push did not all leave
-        return result
-
-    def _sender(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._send_pool is None:
-            self._send_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps-send{self.index}")
-        return self._send_pool
-
-    @staticmethod
-    def _send_all(sock: socket.socket, payloads: list[Any]) -> None:
         for payload in payloads:
             if len(payload):
-                sock.sendall(payload)
-
-    def _read_reply(self, header: P.Header, reply_into: memoryview | None) -> tuple[P.Header, bytes]:
-        assert self.sock is not None
+                self.sock.sendall(payload)
         reply = P.recv_header(self.sock)
         if reply.op == P.Op.ERROR:
             reason = P.recv_bytes(self.sock, reply.payload_len).decode(errors="replace")
@@ -440,7 +403,5 @@ class PSOptimizer:
         finally:
             for link in self.links:
                 link.close()
-                if link._send_pool is not None:
-                    link._send_pool.shutdown(wait=False)
             if self._pool is not None:
                 self._pool.shutdown(wait=False)

@@ -19,22 +19,13 @@ Contract:
   Staleness reported per PUSH = the pushing worker's clock minus the slowest active worker's.
   A PUSH repeating the previous clock (a resend after reconnecting) is answered without
   being applied again; any other clock is refused as out of order.
-- Streamed update: a PUSH that is checked and in order, and whose update may run at once
-  (async/ssp; in sync the push that completes the round), is applied chunk by chunk
-  (``chunk_bytes``) while the rest of its payload is still arriving, instead of after it.
-  Header, length, clock and round are all checked before the first payload byte is read.
-  One update runs at a time (``_updating``); readers (PULL, GET_STATE, snapshots) wait for it.
-  Before a chunk is updated its old parameter and optimizer-buffer bytes are saved in the
-  state's undo area and ``undo_upto`` records how far that goes; the update commits with one
-  write (``version += 1``). A payload cut short (EOF, or no byte for ``stall_timeout_s``)
-  makes the server copy the undo area back: the parameters are bit-for-bit as before the
-  push. A shard process killed mid-update leaves the undo area in the shared state files, and
-  the next incarnation restores it at start, so the worker's resend is applied exactly once.
-  When the reply is due at once (sync: the round's last push; async; ssp: the pusher already
-  within the bound), its PARAMS header and then each chunk's new parameters are sent from a
-  second thread as soon as that chunk is updated, while later chunks still arrive: push,
-  update and pull overlap. A reply cut short by a cut-short push is moot (that connection is
-  closed); the parameters are restored as above.
+- Overlapped reply: a PUSH is received whole and checked before any byte of it is applied
+  (so a payload cut short never touches a parameter). When its reply is due at once (sync:
+  the push that completes the round; async), the update then runs chunk by chunk
+  (``chunk_bytes``) and a second thread sends the PARAMS header and each chunk's new
+  parameters as soon as that chunk is updated: the update and the pull overlap instead of
+  following each other. ssp, and a sync push that does not complete its round, reply after
+  the whole update as before.
 - ``serve_shard_supervised(...)`` is the server rank's loop: it runs the shard in a child
   process, publishes each incarnation's address through the job's store, and restarts a
   child that dies on the shared state. Returns when a child exits 0 (all workers done).
@@ -62,14 +53,12 @@ from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import Plan, Segment, ShardPlan
 from torchrelay.train.ps.rendezvous import ShardDirectory
 
-_META_VERSION, _META_INITIALISED, _META_TOKEN, _META_UNDO_VERSION, _META_UNDO_UPTO, _META_FIXED = 0, 1, 2, 3, 4, 5
+_META_VERSION, _META_INITIALISED, _META_TOKEN, _META_FIXED = 0, 1, 2, 3
 
-# Why 1 MiB: a chunk, its slices of the parameters and optimizer buffers and their undo copies
-# stay in L2 (4 MiB per core here) between the receive and the update, so the update reads the
-# gradient from cache instead of from a 100 MB buffer in DRAM. Multiple of plan.CUT_ALIGN, so
-# a chunk edge is always an element edge of every segment.
+# Why 1 MiB: the reply can start after the first MiB is updated, and the chunk just written
+# is still in cache when the sending thread copies it into the socket. Multiple of
+# plan.CUT_ALIGN, so a chunk edge is always an element edge of every segment.
 CHUNK_BYTES = 1 << 20
-STALL_TIMEOUT_S = 30.0   # a streamed payload with no byte for this long counts as cut short
 
 
 def buffers_for(optimizer: ServerOptimizer) -> tuple[str, ...]:
@@ -89,10 +78,7 @@ class ShardState:
     params: torch.Tensor                 # uint8 [nbytes]
     buffers: list[torch.Tensor]          # uint8 [nbytes] each, see buffers_for
     steps: torch.Tensor                  # float32 [segments]: Adam's per-tensor step counts
-    meta: torch.Tensor                   # int64 [5 + 2 * workers]: version, initialised, token,
-                                         #   undo_version, undo_upto, clocks, done
-    undo: list[torch.Tensor] = dataclasses.field(default_factory=list)  # old bytes of [params, *buffers]
-    undo_steps: torch.Tensor | None = None  # old Adam step counts
+    meta: torch.Tensor                   # int64 [3 + 2 * workers]: version, initialised, token, clocks, done
 
     @staticmethod
     def sizes(shard: ShardPlan, buffer_names: tuple[str, ...], workers: int) -> dict[str, tuple[int, torch.dtype]]:
@@ -100,8 +86,6 @@ class ShardState:
         out = {"params": (shard.nbytes, torch.uint8), "steps": (len(shard.segments), torch.float32),
                "meta": (_META_FIXED + 2 * workers, torch.int64)}
         out.update({f"buffer{i}": (shard.nbytes, torch.uint8) for i in range(len(buffer_names))})
-        out.update({f"undo{i}": (shard.nbytes, torch.uint8) for i in range(1 + len(buffer_names))})
-        out["undo_steps"] = (len(shard.segments), torch.float32)
         return out
 
     @classmethod
@@ -119,27 +103,13 @@ class ShardState:
             return torch.from_file(files[name], shared=True, size=count, dtype=dtype)
 
         return cls(params=make("params"), buffers=[make(f"buffer{i}") for i in range(len(buffer_names))],
-                   steps=make("steps"), meta=make("meta"),
-                   undo=[make(f"undo{i}") for i in range(1 + len(buffer_names))], undo_steps=make("undo_steps"))
-
-    def restore_interrupted_update(self) -> bool:
-        """Undo an update whose process died before it committed (see the module docstring).
-        Returns True if one was undone. Idempotent; call before serving."""
-        upto = int(self.meta[_META_UNDO_UPTO])
-        if upto and int(self.meta[_META_UNDO_VERSION]) == int(self.meta[_META_VERSION]):
-            for target, saved in zip([self.params, *self.buffers], self.undo):
-                target[:upto].copy_(saved[:upto])
-            if self.undo_steps is not None:
-                self.steps.copy_(self.undo_steps)
-            self.meta[_META_UNDO_UPTO] = 0
-            return True
-        self.meta[_META_UNDO_UPTO] = 0
-        return False
+                   steps=make("steps"), meta=make("meta"))
 
 
 def chunk_pieces(shard: ShardPlan, chunk_bytes: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
     """Cut the shard's bytes into ``[begin, end)`` chunks of at most ``chunk_bytes``, each with
-    the ``(segment index, begin, end)`` byte pieces of segments inside it. Pure."""
+    the ``(segment index, begin, end)`` byte pieces of segments inside it. Pure. Raises
+    ``ValueError`` unless ``chunk_bytes`` is a positive multiple of 16."""
     if chunk_bytes <= 0 or chunk_bytes % 16:
         raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 16")
     out = []
@@ -156,7 +126,7 @@ class ShardServer:
 
     def __init__(self, shard: ShardPlan, state: ShardState, *, num_workers: int, mode: str,
                  staleness: int, optimizer: ServerOptimizer, host: str = "127.0.0.1",
-                 chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         if mode not in ("sync", "async", "ssp"):
             raise ValueError(f"mode {mode!r} is not one of sync, async, ssp")
         self.shard, self.state, self.mode = shard, state, mode
@@ -169,9 +139,6 @@ class ShardServer:
         self._buffer_views = [typed_views(b, shard.segments) for b in state.buffers]
         self._step_views = [state.steps[i:i + 1] for i in range(len(shard.segments))]
         self._chunks = chunk_pieces(shard, chunk_bytes)
-        self.chunk_bytes, self.stall_timeout_s = chunk_bytes, stall_timeout_s
-        self._updating = False              # a streamed update is running (one at a time)
-        self.interrupted_update_restored = state.restore_interrupted_update()
         self._agg_views: list[torch.Tensor] = []   # sync: the current round's gradient sum
         self._agg_flat: torch.Tensor | None = None  # ... and the byte buffer they view
         self._pushed: set[int] = set()      # sync: workers in the current round
@@ -222,28 +189,49 @@ class ShardServer:
                     params, grads, list(momentum), foreach=False, weight_decay=cfg.weight_decay,
                     momentum=cfg.momentum, lr=cfg.lr, dampening=0.0, nesterov=False, maximize=False)
 
-    def _apply(self, grads: list[torch.Tensor]) -> None:
-        """One whole optimizer step of the shard with ``grads`` (typed views). Lock held, no
-        streamed update running."""
-        assert not self._updating
-        self._optimizer_math(self._param_views, grads, self._buffer_views, self._step_views)
+    def _apply(self, grads: list[torch.Tensor], grad_flat: torch.Tensor | None = None,
+               sender: "_ReplySender | None" = None) -> None:
+        """One optimizer step of the shard with ``grads`` (typed views of ``grad_flat``).
+        With ``sender``: chunk by chunk, handing each updated chunk of the parameters to it
+        (then ``grad_flat`` is required). Lock held."""
+        if sender is None:
+            self._optimizer_math(self._param_views, grads, self._buffer_views, self._step_views)
+        else:
+            assert grad_flat is not None
+            adam = self.optimizer.name == "adam"
+            for begin, end, pieces in self._chunks:
+                if pieces:
+                    dtypes = [getattr(torch, self.shard.segments[i].dtype) for i, _, _ in pieces]
+
+                    def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                        return [flat[lo:hi].view(dt) for (_, lo, hi), dt in zip(pieces, dtypes)]
+
+                    # Adam's step count is per tensor: every chunk computes with count + 1 on a
+                    # copy; the counts themselves move once, below.
+                    steps = [self.state.steps[i:i + 1].clone() for i, _, _ in pieces] if adam else []
+                    self._optimizer_math(views(self.state.params), views(grad_flat),
+                                         [views(b) for b in self.state.buffers], steps)
+                sender.put(self.state.params[begin:end])
+            if adam:
+                self.state.steps.add_(1.0)
         self.state.meta[_META_VERSION] += 1
         self.updates_applied += 1
 
-    def _maybe_finish_sync_round(self) -> None:
-        self._cond.wait_for(lambda: not self._updating)
+    def _maybe_finish_sync_round(self, sender: "_ReplySender | None" = None) -> bool:
+        """Apply the round if every active worker has pushed (lock held). Returns whether it did."""
         active = self._active()
         if not self._pushed or any(w not in self._pushed for w in active):
-            return
+            return False
         count = len(self._pushed)
         if count > 1 and self._agg_views:
             torch._foreach_div_(self._agg_views, float(count))
-        self._apply(self._agg_views)
+        self._apply(self._agg_views, self._agg_flat, sender)
         version = self.version
         for w in range(self.num_workers):
             self.state.meta[_META_FIXED + w] = version
         self._pushed.clear()
         self._cond.notify_all()
+        return True
 
     # ------------------------------------------------------------ serving
 
@@ -288,7 +276,7 @@ class ShardServer:
                     pass
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        buffers = _ConnectionBuffers(self.shard, self.chunk_bytes)
+        buffers = _ConnectionBuffers(self.shard)
         try:
             while True:
                 try:
@@ -316,9 +304,6 @@ class ShardServer:
         """Serve one checked request. Returns False when the connection must close."""
         op = h.op
         if op == P.Op.PUSH:
-            claim = self._claim_streamed_update(h)
-            if claim is not None:
-                return self._streamed_push(conn, h, buffers, *claim)
             P.recv_exact_into(conn, memoryview(buffers.recv.numpy()))
             return self._push(conn, h, buffers.recv_views, buffers)
         if op == P.Op.HELLO:
@@ -339,8 +324,7 @@ class ShardServer:
             return True
         if op == P.Op.PULL:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or (bool(self.state.meta[_META_INITIALISED])
-                                                              and not self._updating))
+                self._cond.wait_for(lambda: self._stopping or bool(self.state.meta[_META_INITIALISED]))
                 buffers.send.copy_(self.state.params)
                 version = self.version
             self._reply(conn, P.Header(P.Op.PARAMS, h.worker, self.shard.index, version, self.shard.plan_id,
@@ -358,7 +342,6 @@ class ShardServer:
             return True
         if op == P.Op.GET_STATE:
             with self._cond:
-                self._cond.wait_for(lambda: not self._updating)
                 payload = self._state_bytes()
             meta = json.dumps(self._state_meta()).encode()
             self._reply(conn, P.Header(P.Op.STATE, h.worker, self.shard.index, self.version, self.shard.plan_id,
@@ -381,6 +364,7 @@ class ShardServer:
     def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor],
               buffers: "_ConnectionBuffers") -> bool:
         w, step = h.worker, h.step
+        sender: _ReplySender | None = None
         with self._cond:
             if not self.state.meta[_META_INITIALISED]:
                 self._reply_error_locked(conn, "PUSH before the shard was initialised (INIT first)")
@@ -402,12 +386,19 @@ class ShardServer:
                     elif grads:
                         torch._foreach_add_(self._agg_views, grads)
                     self._pushed.add(w)
-                    self._waiting += 1
-                    self._maybe_finish_sync_round()
-                    self._cond.wait_for(lambda: self._stopping or self.version > step)
-                    self._waiting -= 1
-                    if self.version <= step:
-                        return False
+                    if all(o in self._pushed for o in self._active()):
+                        # this push completes the round: overlap its update with its reply
+                        sender = _ReplySender(conn, P.pack(P.Header(
+                            P.Op.PARAMS, w, self.shard.index, self.version + 1, self.shard.plan_id,
+                            self.shard.nbytes, P.join_aux(0, self._waiting))))
+                        self._maybe_finish_sync_round(sender)
+                    else:
+                        self._waiting += 1
+                        self._maybe_finish_sync_round()
+                        self._cond.wait_for(lambda: self._stopping or self.version > step)
+                        self._waiting -= 1
+                        if self.version <= step:
+                            return False
                 # sync: no update can start until this worker pushes again, so the parameter
                 # bytes are stable while we send them: no snapshot copy needed.
                 version, payload = self.version, self.state.params
@@ -421,8 +412,13 @@ class ShardServer:
                     return False
                 else:
                     staleness = step - self._min_active_clock()
-                    self._cond.wait_for(lambda: not self._updating)
-                    self._apply(grads)
+                    if self.mode == "async":
+                        # answered at once: overlap the update with the reply; the reply is a
+                        # snapshot (buffers.send), so later updates cannot change it mid-send
+                        sender = _ReplySender(conn, P.pack(P.Header(
+                            P.Op.PARAMS, w, self.shard.index, self.version + 1, self.shard.plan_id,
+                            self.shard.nbytes, P.join_aux(staleness, self._waiting))), snapshot=buffers.send)
+                    self._apply(grads, buffers.recv, sender)
                     self.state.meta[_META_FIXED + w] = step + 1
                     self._cond.notify_all()
                     if self.mode == "ssp":
@@ -431,147 +427,15 @@ class ShardServer:
                             lambda: self._stopping or self._clock(w) - self._min_active_clock() <= self.staleness)
                         self._waiting -= 1
                 depth = self._waiting
-                self._cond.wait_for(lambda: not self._updating)
-                buffers.send.copy_(self.state.params)
+                if sender is None:
+                    buffers.send.copy_(self.state.params)
                 version, payload = self.version, buffers.send
+        if sender is not None:
+            sender.finish()
+            return True
         self._reply(conn, P.Header(P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id,
                                    self.shard.nbytes, P.join_aux(staleness, depth)), payload)
         return True
-
-    # ------------------------------------------------------------ streamed update
-
-    def _claim_streamed_update(self, h: P.Header) -> tuple[int, int, int, bool] | None:
-        """Decide, before any payload byte is read, whether this PUSH is streamed: it is in
-        order, its update may run now, and no other update runs. Claims the update slot and
-        returns ``(staleness, workers in the round, queue depth, reply_now)``; None sends it
-        down the whole-payload path (which also answers resends and refuses what is out of
-        order). ``reply_now``: no wait can follow the update (ssp: the bound already holds,
-        and it only loosens as other clocks grow or workers finish)."""
-        w, step = h.worker, h.step
-        with self._cond:
-            if self._updating or not self.state.meta[_META_INITIALISED] or self._stopping:
-                return None
-            if self.mode == "sync":
-                if step != self.version or w in self._pushed:
-                    return None
-                if any(o not in self._pushed for o in self._active() if o != w):
-                    return None  # not the round's last push: it only adds to the sum
-                staleness, count, reply_now = 0, len(self._pushed) + 1, True
-            else:
-                if step != self._clock(w):
-                    return None
-                staleness, count = step - self._min_active_clock(), 1
-                slowest_after = min([self._clock(o) for o in self._active() if o != w] + [step + 1])
-                reply_now = self.mode == "async" or step + 1 - slowest_after <= self.staleness
-            self._updating = True
-            return staleness, count, self._waiting, reply_now
-
-    def _streamed_push(self, conn: socket.socket, h: P.Header, buffers: "_ConnectionBuffers",
-                       staleness: int, count: int, depth: int, reply_now: bool) -> bool:
-        """Receive and apply a claimed PUSH chunk by chunk and commit it; answer chunk by chunk
-        meanwhile (``reply_now``) or after, as ``_push`` does."""
-        state, w, step = self.state, h.worker, h.step
-        agg = self._agg_flat if self.mode == "sync" and count > 1 else None
-        undo_upto = 0
-        committed = False
-        adam = self.optimizer.name == "adam"
-        sender = None
-        if reply_now:
-            version = self.version + 1  # no other update can commit while we hold the slot
-            sender = _ReplySender(conn, P.pack(P.Header(
-                P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id, self.shard.nbytes,
-                P.join_aux(staleness, depth))))
-        try:
-            state.meta[_META_UNDO_VERSION] = int(state.meta[_META_VERSION])
-            state.meta[_META_UNDO_UPTO] = 0
-            if adam and state.undo_steps is not None:
-                state.undo_steps.copy_(state.steps)
-            conn.settimeout(self.stall_timeout_s)
-            chunk = buffers.chunk
-            targets = [state.params, *state.buffers]
-            for begin, end, pieces in self._chunks:
-                P.recv_exact_into(conn, memoryview(chunk[:end - begin].numpy()))
-                for target, saved in zip(targets, state.undo):
-                    saved[begin:end].copy_(target[begin:end])
-                state.meta[_META_UNDO_UPTO] = undo_upto = end  # saved before anything changes
-                if pieces:
-                    self._update_chunk(begin, pieces, chunk, agg, count, adam)
-                if sender is not None:
-                    if self.mode == "sync":
-                        sender.put(state.params[begin:end])  # stable: see _push
-                    else:  # a later async update may change these bytes before they are sent
-                        snapshot = buffers.send[begin:end]
-                        snapshot.copy_(state.params[begin:end])
-                        sender.put(snapshot)
-            conn.settimeout(None)
-            with self._cond:
-                if adam:
-                    state.steps.add_(1.0)
-                state.meta[_META_VERSION] += 1   # the commit point
-                state.meta[_META_UNDO_UPTO] = 0
-                committed = True
-                self.updates_applied += 1
-                self._updating = False
-                if self.mode == "sync":
-                    version = self.version
-                    for o in range(self.num_workers):
-                        state.meta[_META_FIXED + o] = version
-                    self._pushed.clear()
-                    self._agg_views, self._agg_flat = [], None
-                    depth = self._waiting
-                    payload = state.params  # stable until every worker pushes again (see _push)
-                else:
-                    state.meta[_META_FIXED + w] = step + 1
-                    self._cond.notify_all()
-                    if sender is None:
-                        if self.mode == "ssp":
-                            self._waiting += 1
-                            self._cond.wait_for(lambda: self._stopping or
-                                                self._clock(w) - self._min_active_clock() <= self.staleness)
-                            self._waiting -= 1
-                        depth = self._waiting
-                        self._cond.wait_for(lambda: not self._updating)
-                        buffers.send.copy_(state.params)
-                        payload = buffers.send
-                version = self.version
-                self._cond.notify_all()
-        finally:
-            if not committed:
-                if sender is not None:
-                    sender.abort()
-                with self._cond:
-                    # cut short (or failed): put back every byte this push changed
-                    for target, saved in zip([state.params, *state.buffers], state.undo):
-                        target[:undo_upto].copy_(saved[:undo_upto])
-                    if adam and state.undo_steps is not None:
-                        state.steps.copy_(state.undo_steps)
-                    state.meta[_META_UNDO_UPTO] = 0
-                    self._updating = False
-                    self._cond.notify_all()
-        if sender is not None:
-            sender.finish()
-        else:
-            self._reply(conn, P.Header(P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id,
-                                       self.shard.nbytes, P.join_aux(staleness, depth)), payload)
-        return True
-
-    def _update_chunk(self, begin: int, pieces: list[tuple[int, int, int]], chunk: torch.Tensor,
-                      agg: torch.Tensor | None, count: int, adam: bool) -> None:
-        """Apply the optimizer to the segment pieces of one received chunk (in ``chunk``)."""
-        state = self.state
-        dtypes = [getattr(torch, self.shard.segments[i].dtype) for i, _, _ in pieces]
-
-        def views(flat: torch.Tensor, base: int) -> list[torch.Tensor]:
-            return [flat[lo - base:hi - base].view(dt) for (_, lo, hi), dt in zip(pieces, dtypes)]
-
-        grads = views(chunk, begin)
-        if agg is not None:  # sync: the round's sum so far (left untouched) plus this push, mean
-            torch._foreach_add_(grads, views(agg, 0))
-            torch._foreach_div_(grads, float(count))
-        # Adam's step count is per tensor: every chunk of this push computes with count + 1 on a
-        # copy; the counts themselves move once, at commit.
-        steps = [state.steps[i:i + 1].clone() for i, _, _ in pieces] if adam else []
-        self._optimizer_math(views(state.params, 0), grads, [views(b, 0) for b in state.buffers], steps)
 
     # ------------------------------------------------------------ state transfer
 
@@ -596,7 +460,6 @@ class ShardServer:
             raise ValueError(f"state is for {len(clocks)} workers and {len(meta['steps'])} segments; "
                              f"this shard has {self.num_workers} and {len(self.shard.segments)}")
         with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
             if token and token == int(self.state.meta[_META_TOKEN]):
                 return  # another worker already restored this same checkpoint
             n = self.shard.nbytes
@@ -609,7 +472,6 @@ class ShardServer:
                 self.state.meta[_META_FIXED + w] = c
             self.state.meta[_META_TOKEN] = token
             self.state.meta[_META_INITIALISED] = 1
-            self.state.meta[_META_UNDO_UPTO] = 0
             self._pushed.clear()
             self._cond.notify_all()
 
@@ -637,13 +499,12 @@ class ShardServer:
 
 
 class _ReplySender:
-    """Sends one reply (a header, then tensors as they are ``put``) from its own thread, so
-    the connection's thread keeps receiving meanwhile. Needed, not just faster: a worker may
-    still be in ``sendall`` of its push, and a server blocked in its own ``sendall`` on the
-    same thread would never drain that push (deadlock once both socket buffers fill)."""
+    """Sends one PARAMS reply from its own thread: the header at once, then each chunk as it
+    is ``put`` (copied first into ``snapshot`` at the same offsets when one is given), while
+    the caller goes on updating the next chunk."""
 
-    def __init__(self, conn: socket.socket, header: bytes) -> None:
-        self._conn = conn
+    def __init__(self, conn: socket.socket, header: bytes, snapshot: torch.Tensor | None = None) -> None:
+        self._conn, self._snapshot, self._offset = conn, snapshot, 0
         self._queue: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
         self.error: OSError | None = None
         self._thread = threading.Thread(target=self._run, args=(header,), daemon=True)
@@ -653,37 +514,36 @@ class _ReplySender:
         try:
             self._conn.sendall(header)
             while (item := self._queue.get()) is not None:
-                if item.numel():
+                if item.numel() and self.error is None:
                     self._conn.sendall(memoryview(item.numpy()))
         except OSError as exc:
             self.error = exc
+            while self._queue.get() is not None:  # let put() and finish() go on
+                pass
 
-    def put(self, tensor: torch.Tensor) -> None:
-        self._queue.put(tensor)
+    def put(self, chunk: torch.Tensor) -> None:
+        """Queue ``chunk`` (the next bytes of the reply) for sending. Does not block."""
+        if self._snapshot is not None:
+            target = self._snapshot[self._offset:self._offset + chunk.numel()]
+            target.copy_(chunk)
+            chunk = target
+        self._offset += chunk.numel()
+        self._queue.put(chunk)
 
     def finish(self) -> None:
-        """Block until everything put is sent. Raises ``ConnectionError`` if sending failed."""
+        """Block until every chunk is sent. Raises ``ConnectionError`` if sending failed."""
         self._queue.put(None)
         self._thread.join()
         if self.error is not None:
             raise ConnectionError(f"reply not sent: {self.error}")
-
-    def abort(self) -> None:
-        """Cut the connection (unblocks a pending send) and wait for the thread."""
-        try:
-            self._conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._queue.put(None)
-        self._thread.join()
 
 
 class _ConnectionBuffers:
     """One connection's receive buffer (gradients land here, zero-copy) and send snapshot,
     allocated on first use: a connection that only says HELLO costs nothing."""
 
-    def __init__(self, shard: ShardPlan, chunk_bytes: int) -> None:
-        self.shard, self.chunk_bytes = shard, chunk_bytes
+    def __init__(self, shard: ShardPlan) -> None:
+        self.shard = shard
 
     @functools.cached_property
     def recv(self) -> torch.Tensor:
@@ -692,10 +552,6 @@ class _ConnectionBuffers:
     @functools.cached_property
     def recv_views(self) -> list[torch.Tensor]:
         return typed_views(self.recv, self.shard.segments)
-
-    @functools.cached_property
-    def chunk(self) -> torch.Tensor:
-        return torch.empty(min(self.chunk_bytes, self.shard.nbytes), dtype=torch.uint8)
 
     @functools.cached_property
     def send(self) -> torch.Tensor:
