@@ -452,3 +452,16 @@ def test_concurrent_submits_are_each_written_once_and_errors_stay_with_their_own
         assert stored.name == name == info.name and stored.state == JobState.QUEUED
         assert [e.message for e in stored.events] == ["submitted"]
     assert svc.job_count() == 119
+
+
+def test_a_rank_that_never_ran_is_explained_by_the_launch_message(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    svc.launch_status(launch.launch_id, LaunchStatus(
+        state="exited", succeeded=False, ranks=[RankExit(rank=0)],
+        message="rank 0 never ran; torchrun exited with 1: RendezvousTimeoutError"))
+    failure = svc.get_job(job.id).failure
+    assert failure.rank == 0 and failure.reason.startswith("rank 0 did not run: ")
+    assert "RendezvousTimeoutError" in failure.reason

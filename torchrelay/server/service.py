@@ -534,6 +534,9 @@ class ClusterService:
         if target.terminal:
             row.finished_at = now
             row.waiting_reason = None
+            # a finished job is never scheduled again: its cached spec and attempt clock go
+            self._spec_cache.pop(row.seq, None)
+            self._attempt_started.pop(row.seq, None)
         s.add(EventRow(job_seq=row.seq, time=now, state=target.value, message=message))
         self.notifier.bump(f"job:{row.seq}")
         self.notifier.bump(f"logs:{row.seq}")
@@ -670,6 +673,11 @@ class ClusterService:
                                node=node_names.get(launch.node_id), attempt=row.attempt)
         candidates.sort(key=lambda c: (c[0], c[2].rank))
         _, launch, rank = candidates[0]
+        if rank.exit_code is None and rank.signal is None:
+            # the rank never ran (torchrun itself failed, e.g. its rendezvous): the launch says why
+            return FailureInfo(reason=f"rank {rank.rank} did not run: {launch.message or 'no exit status'}",
+                               rank=rank.rank, node=node_names.get(launch.node_id), last_lines=rank.last_lines,
+                               attempt=row.attempt)
         if rank.signal:
             try:
                 what = f"was killed by {signal.Signals(rank.signal).name}"
