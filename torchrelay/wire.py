@@ -206,7 +206,9 @@ class LaunchAssignment(_Model):
 
     Environment the agent gives the workers (besides torchrun's own RANK etc.):
     RELAY_JOB_ID, RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_JOB_STORE_PREFIX,
-    RELAY_METRICS_DIR, RELAY_STRATEGY (JSON), RELAY_CHECKPOINT (JSON), and ``env``.
+    RELAY_METRICS_DIR, RELAY_STRATEGY (JSON), RELAY_CHECKPOINT (JSON), RELAY_ACCELERATOR
+    (``gpu`` or ``cpu``: what the scheduler granted), RELAY_GPUS_PER_WORKER, RELAY_GPU_TYPE,
+    and ``env``.
     """
 
     launch_id: str

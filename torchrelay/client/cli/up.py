@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 import typer
 
@@ -13,11 +14,12 @@ from torchrelay.client.cli.common import console, handle_errors
 def up(agents: int = typer.Option(1, "--agents", "-n", min=1, help="agents (nodes) to start"),
        detach: bool = typer.Option(False, "--detach", "-d", help="return once up; `relay down` stops it"),
        cpus: float = typer.Option(None, "--cpus", help="cpus each agent offers (default: this machine's)"),
-       heartbeat_timeout: float = typer.Option(10.0, help="seconds without heartbeat before a node is LOST")) -> None:
+       heartbeat_timeout: float = typer.Option(10.0, help="seconds without heartbeat before a node is LOST"),
+       quotas: Path = typer.Option(None, "--quotas", help="per-user quotas (YAML), see docs/scheduling.md")) -> None:
     """Start an embedded cluster on this machine (state in RELAY_HOME)."""
     from torchrelay.client.cluster import start_cluster, stop_cluster
 
-    cluster = start_cluster(agents, agent_cpus=cpus, heartbeat_timeout_s=heartbeat_timeout)
+    cluster = start_cluster(agents, agent_cpus=cpus, heartbeat_timeout_s=heartbeat_timeout, quotas_file=quotas)
     console.print(f"cluster up: server {cluster.address}, {agents} agent(s); home {cluster.home}")
     console.print(f"  export RELAY_ADDRESS={cluster.address}")
     if detach:
