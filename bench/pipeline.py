@@ -261,8 +261,9 @@ def main() -> None:
               f"micro-batches of {MLP['microbatch']}, 1 thread per process")
         print(f"    {'one process, grad accumulation':34s} {base * 1e3:8.2f} ms/step   1.00x")
         for name in ("lean 1f1b", "lean gpipe", "lean-gloo 1f1b", "torch 1f1b", "torch gpipe"):
-            label = {"lean": "ours ", "lean-gloo": "ours over gloo ", "torch": "torch.distributed.pipelining "}[
-                name.split()[0]] + name.split()[1]
+            runtime_label = {"lean": "ours", "lean-gloo": "ours over gloo",
+                             "torch": "torch.distributed.pipelining"}[name.split()[0]]
+            label = f"{runtime_label} {name.split()[1]}"
             print(f"    {label:34s} {med[name] * 1e3:8.2f} ms/step   {base / med[name]:.2f}x")
         # The machine is shared: CPU time per step is what contention distorts least. Overhead is
         # the pipeline's CPU time over the baseline's; on two idle cores the 1F1B step would take

@@ -100,6 +100,14 @@ def reached_step(c: RelayClient, job_id: str, attempt: int, step: int) -> bool:
     return max_step(metric_points(c, job_id), attempt) >= step
 
 
+def wait_for_step(c: RelayClient, job_id: str, attempt: int, step: int, timeout: float = 120) -> None:
+    """Block until ``attempt`` reported ``step``; on timeout the assertion tells the job's story."""
+    try:
+        chaos.wait_until(lambda: reached_step(c, job_id, attempt, step), timeout, f"step {step} of attempt {attempt}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe(c, c.job(job_id))}") from None
+
+
 def assert_same_model(c: RelayClient, job_id: str, dest: Path, reference: dict) -> None:
     c.download(job_id, dest)
     final = torch.load(dest / "model.pt", weights_only=True)
@@ -151,7 +159,7 @@ def test_killed_and_failing_worker_resume_from_checkpoint(cluster_factory, refer
     with RelayClient(cluster.address) as c:
         spec = trainer_spec("killed", "--sleep 0.15 --exit-rank 0 --exit-step 27 --exit-code 5 --exit-attempt 2")
         job = c.submit(spec, base_dir=JOBS)
-        chaos.wait_until(lambda: reached_step(c, job.id, 1, 12), 120, "step 12 of attempt 1")
+        wait_for_step(c, job.id, 1, 12)
         victim = chaos.worker_pids(job.id, rank=1, attempt=1)
         assert set(victim) == {1}, victim
         assert chaos.kill(victim[1], signal.SIGKILL)
@@ -178,7 +186,7 @@ def test_failure_names_the_rank_that_died_first(cluster_factory):
         spec = trainer_spec("blame", "--sleep 0.1 --exit-rank 1 --exit-step 3 --exit-code 5 --exit-attempt 2",
                             max_restarts=1)
         job = c.submit(spec, base_dir=JOBS)
-        chaos.wait_until(lambda: reached_step(c, job.id, 1, 3), 120, "step 3 of attempt 1")
+        wait_for_step(c, job.id, 1, 3)
         assert chaos.kill(chaos.worker_pids(job.id, rank=1, attempt=1)[1], signal.SIGKILL)
         final = c.wait(job.id, timeout=180)
         assert final.state == JobState.FAILED, describe(c, final)
@@ -211,7 +219,7 @@ def test_hung_worker_is_detected_and_restarted(cluster_factory, reference_model,
     cluster = cluster_factory(1)
     with RelayClient(cluster.address) as c:
         job = c.submit(trainer_spec("hangs", "--sleep 0.15", hang_timeout_s=5, stop_grace_s=2), base_dir=JOBS)
-        chaos.wait_until(lambda: reached_step(c, job.id, 1, 8), 120, "step 8 of attempt 1")
+        wait_for_step(c, job.id, 1, 8)
         victim = chaos.worker_pids(job.id, rank=1, attempt=1)
         assert chaos.freeze(victim[1])
         try:
@@ -232,7 +240,7 @@ def test_killed_agent_node_lost_job_moves_and_orphans_are_ended(cluster_factory,
     restarted = None
     with RelayClient(cluster.address) as c:
         job = c.submit(trainer_spec("moves", "--sleep 0.4", nodes=1, workers_per_node=2), base_dir=JOBS)
-        chaos.wait_until(lambda: reached_step(c, job.id, 1, 12), 120, "step 12 of attempt 1")
+        wait_for_step(c, job.id, 1, 12)
         (first,) = c.job(job.id).placement
         index = int(first.node_name.rsplit("-", 1)[1])
         agent_pid = cluster.pids[1 + index]
@@ -281,7 +289,7 @@ def test_preempted_job_checkpoints_in_grace_requeues_and_resumes(cluster_factory
     cluster = cluster_factory(1, agent_cpus=2)
     with RelayClient(cluster.address) as c:
         victim = c.submit(trainer_spec("victim", "--sleep 0.5", stop_grace_s=60), base_dir=JOBS)
-        chaos.wait_until(lambda: reached_step(c, victim.id, 1, 8), 120, "step 8 of the victim")
+        wait_for_step(c, victim.id, 1, 8)
         urgent = c.submit(trainer_spec("urgent", "--samples 16", priority=10, preemptible=False,
                                        checkpoint={"every_steps": 0}), base_dir=JOBS)
         done = c.wait(urgent.id, timeout=180)
