@@ -10,6 +10,8 @@ random step of the running attempt, rank 1's script process is SIGKILLed (by pid
   platform noticing the death, stopping the peer, placing the new attempt, torchrun starting
   the workers (``import torch``, the process group), and loading the checkpoint.
 - steps_lost: the last step attempt k reported minus the step attempt k+1 resumed from.
+- phases (from the job's events and metrics): kill → RESTARTING, → the next attempt running
+  (its torchrun started), → its checkpoint loaded (the ``resumed_from`` metric).
 
 The baseline printed beside it is what recovery cannot beat: a cold start of the same job's
 first attempt (submit → its first step), measured in the same run.
