@@ -175,15 +175,12 @@ def test_killed_and_failing_worker_resume_from_checkpoint(cluster_factory, refer
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="server: Service._failure_of sorts failed ranks by (collateral, rank) and "
-                   "counts every SIGKILL as collateral, ignoring the agent's earliest-ended-first order, so a "
-                   "peer's follow-on gloo error (exit 1) is named instead of the rank that died")
 def test_failure_names_the_rank_that_died_first(cluster_factory):
     """Attempt 1: rank 1 is SIGKILLed; attempt 2: rank 1 exits with code 5. Both times rank 0
     then fails too (its all-reduce loses the peer: exit 1), later; the reasons must name rank 1."""
     cluster = cluster_factory(1)
     with RelayClient(cluster.address) as c:
-        spec = trainer_spec("blame", "--sleep 0.1 --exit-rank 1 --exit-step 3 --exit-code 5 --exit-attempt 2",
+        spec = trainer_spec("blame", "--sleep 0.1 --exit-rank 1 --exit-step 30 --exit-code 5 --exit-attempt 2",
                             max_restarts=1)
         job = c.submit(spec, base_dir=JOBS)
         wait_for_step(c, job.id, 1, 3)

@@ -46,7 +46,6 @@ from torchrelay.wire import (ArtifactInfo, FailureInfo, Heartbeat, HeartbeatRepl
 
 # the stop reason of launches stopped at the job's max_runtime_s; an attempt stopped so ends FAILED
 _RUNTIME_STOP = "ran past max_runtime_s"
-_KILLED_BY_PEER = {-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
 
 
 def process_count(spec: JobSpec) -> int:
@@ -657,22 +656,22 @@ class ClusterService:
     def _failure_of(self, s: Session, row: JobRow, failed: list[LaunchRow]) -> FailureInfo:
         """The failing rank that explains the attempt: one that did not return and was not
         killed because a peer failed, else the first one that did not return."""
-        candidates: list[tuple[int, LaunchRow, RankExit]] = []
+        # The agent lists a launch's failed ranks earliest death first, so a launch's first
+        # failed rank is its root cause and the ones after it were torn down because of it.
+        # A launch the server stopped (because a peer failed) only explains the attempt when
+        # nothing else does.
+        candidates: list[tuple[int, int, LaunchRow, RankExit]] = []
         for launch in failed:
-            for data in launch.ranks or []:
-                rank = RankExit.model_validate(data)
-                if rank.returned:
-                    continue
-                code = rank.exit_code if rank.exit_code is not None else (-rank.signal if rank.signal else None)
-                collateral = code in _KILLED_BY_PEER or (rank.signal in (signal.SIGTERM, signal.SIGKILL))
-                candidates.append((1 if collateral else 0, launch, rank))
+            failed_ranks = [r for r in (RankExit.model_validate(d) for d in launch.ranks or []) if not r.returned]
+            for position, rank in enumerate(failed_ranks):
+                candidates.append((2 if launch.stopped else (1 if position else 0), launch.node_rank, launch, rank))
         node_names = {n.id: n.name for n in s.scalars(select(NodeRow))}
         if not candidates:
             launch = failed[0]
             return FailureInfo(reason=launch.message or f"launch on node {node_names.get(launch.node_id)} failed",
                                node=node_names.get(launch.node_id), attempt=row.attempt)
-        candidates.sort(key=lambda c: (c[0], c[2].rank))
-        _, launch, rank = candidates[0]
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        _, _, launch, rank = candidates[0]
         if rank.exit_code is None and rank.signal is None:
             # the rank never ran (torchrun itself failed, e.g. its rendezvous): the launch says why
             return FailureInfo(reason=f"rank {rank.rank} did not run: {launch.message or 'no exit status'}",
