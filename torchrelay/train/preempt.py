@@ -19,9 +19,9 @@ The ranks agree. SIGTERM reaches each rank at a slightly different moment, so on
 see it before its step's check and another after, and they would then disagree on whether
 to save (a collective) and stop. When a process group of more than one rank is up,
 ``should_stop()`` and ``stop_requested()`` therefore all-reduce (MAX) the request over the
-default group: they are collective (call them on every rank, the same number of times, as
-the loop above does) and every rank gets the same answer at the same call. Once the answer is
-True it stays True without further collectives. Under ``parameter_server`` (server ranks never
+default group, about every half second of calls (see ``_agree``): they are collective (call
+them on every rank, the same number of times, as the loop above does) and every rank gets the
+same answer at the same call. Once the answer is True it stays True without further collectives. Under ``parameter_server`` (server ranks never
 join a collective) each rank answers for itself.
 """
 from __future__ import annotations
@@ -63,30 +63,61 @@ def should_stop() -> bool:
     """True once the platform asked this job's workers to stop (SIGTERM to any rank).
     Collective when distributed (see the module docstring); otherwise does not block."""
     mark_cooperative()
-    return _agree(_requested.is_set())
+    return _agree(_requested.is_set(), from_checkpoint_due=False)
 
 
 def stop_requested() -> bool:
-    """Like ``should_stop`` but does not mark the caller as polling (for library internals)."""
-    return _agree(_requested.is_set())
+    """What ``checkpoint_due`` asks: like ``should_stop`` but does not mark the caller as polling."""
+    return _agree(_requested.is_set(), from_checkpoint_due=True)
 
 
-def _agree(local: bool) -> bool:
-    """``local`` OR-ed over the ranks of the default process group; sticky once True."""
-    global _agreed_stop
+# Agreement state; every rank makes the same calls, so these evolve identically on every rank.
+_calls = 0  # agreement calls so far
+_next_reduce = 1  # the call that all-reduces next
+_checkpoint_due_seen = False  # the loop asks checkpoint_due: agreement happens there
+_last_call_at: float | None = None
+_call_interval_s: float | None = None  # smoothed time between calls on this rank
+REDUCE_EVERY_S = 0.5  # aim: one all-reduce per half second of training, whatever the step time
+
+
+def _agree(local: bool, *, from_checkpoint_due: bool) -> bool:
+    """``local`` OR-ed over the ranks of the default process group; sticky once True.
+
+    A tiny all-reduce per step would cost a fast training step a few percent, so the ranks
+    reduce only every N calls, where N (about half a second of calls, 1..100) is itself agreed
+    in each reduction. When the loop calls ``checkpoint_due`` the reductions happen there, so
+    the step where the ranks agree to stop is also the step whose checkpoint they commit;
+    ``should_stop`` then just reads the agreed answer.
+    """
+    global _agreed_stop, _calls, _next_reduce, _checkpoint_due_seen, _last_call_at, _call_interval_s
     if _agreed_stop:
         return True
-    group_size = _agreeing_world_size()
-    if group_size <= 1:
+    if _agreeing_world_size() <= 1:
         return local
+    if from_checkpoint_due:
+        _checkpoint_due_seen = True
+    elif _checkpoint_due_seen:
+        return False  # the reduction is checkpoint_due's; nothing was agreed yet
+    import time
+
+    _calls += 1
+    now = time.monotonic()
+    if _last_call_at is not None:
+        gap = now - _last_call_at
+        _call_interval_s = gap if _call_interval_s is None else 0.8 * _call_interval_s + 0.2 * gap
+    _last_call_at = now
+    if _calls < _next_reduce:
+        return False
     import torch
     import torch.distributed as dist
 
     from torchrelay.train.context import current_context
 
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=current_context().device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    _agreed_stop = bool(flag.item())
+    wanted = 1 if not _call_interval_s else max(1, min(100, int(REDUCE_EVERY_S / _call_interval_s)))
+    values = torch.tensor([1 if local else 0, wanted], dtype=torch.int64, device=current_context().device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    _agreed_stop = bool(values[0].item())
+    _next_reduce = _calls + int(values[1].item())
     return _agreed_stop
 
 
@@ -105,7 +136,9 @@ def _agreeing_world_size() -> int:
 
 
 def _reset_for_tests() -> None:
-    global _cooperative, _installed, _agreed_stop
+    global _cooperative, _installed, _agreed_stop, _calls, _next_reduce, _checkpoint_due_seen
+    global _last_call_at, _call_interval_s
+    _calls, _next_reduce, _checkpoint_due_seen, _last_call_at, _call_interval_s = 0, 1, False, None, None
     _requested.clear()
     _cooperative = False
     _agreed_stop = False

@@ -2,7 +2,9 @@
 
 Run under torchrun with 2 ranks and ``RELAY_JOB_ID`` set (so ``rt.init`` installs the SIGTERM
 handler). Rank 0 sends itself SIGTERM after step ``STOP_AT``'s all-reduce; rank 1 gets none.
-Each rank prints ``rank R stopped after step S``: both must stop after the same step.
+Each rank prints ``rank R stopped after step S``: both must stop after the same step, and that
+step's ``checkpoint_due`` must have said True (so the stop is committed). The ranks agree at
+their periodic agreement all-reduce, so S is at or a little after ``STOP_AT``.
 """
 import os
 import signal
@@ -15,7 +17,7 @@ import torchrelay.train as rt
 STOP_AT = 3
 
 ctx = rt.init()
-for step in range(1, 50):
+for step in range(1, 5000):
     grad = torch.ones(1)
     dist.all_reduce(grad)  # what a DDP step does
     if ctx.rank == 0 and step == STOP_AT:
