@@ -420,49 +420,50 @@ class ClusterService:
         """Store new log records; resent ones (seq already seen) are skipped. Returns rows added."""
         with self._lock, self._sessions.begin() as s:
             row = self._job(s, job_id)
-            added = 0
-            for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/{r.stream}"):
-                cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
-                fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
-                if fresh:  # one bulk INSERT: ingest runs on the same cores as the workers
-                    s.execute(insert(LogRow), [
-                        {"job_seq": row.seq, "launch_id": batch.launch_id, "attempt": r.attempt, "rank": r.rank,
-                         "stream": r.stream, "agent_seq": r.seq, "text": r.text} for r in fresh])
-                    cursor.last_seq = fresh[-1].seq
-                    s.merge(cursor)
-                    added += len(fresh)
+            fresh = self._unseen(s, batch.records, lambda r: f"{batch.launch_id}/{r.rank}/{r.stream}")
+            if fresh:  # one bulk INSERT: ingest runs on the same cores as the workers
+                s.execute(insert(LogRow), [
+                    {"job_seq": row.seq, "launch_id": batch.launch_id, "attempt": r.attempt, "rank": r.rank,
+                     "stream": r.stream, "agent_seq": r.seq, "text": r.text} for r in fresh])
             seq = row.seq
-        if added:
+        if fresh:
             self.notifier.bump(f"logs:{seq}")
-        return added
+        return len(fresh)
 
     def ingest_metrics(self, job_id: str, batch: MetricBatch) -> int:
+        """Store new metric points (resends skipped); updates the job's last metrics and its
+        progress clock (hang detection). Returns points added."""
         with self._lock, self._sessions.begin() as s:
             row = self._job(s, job_id)
-            added, latest = 0, None
-            for key, records in _group(batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics"):
-                cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
-                fresh = [r for r in sorted(records, key=lambda r: r.seq) if r.seq > cursor.last_seq]
-                if fresh:
-                    s.execute(insert(MetricRow), [
-                        {"job_seq": row.seq, "launch_id": batch.launch_id, "rank": r.rank, "agent_seq": r.seq,
-                         "step": r.step, "time": r.time, "values": r.values} for r in fresh])
-                    cursor.last_seq = fresh[-1].seq
-                    s.merge(cursor)
-                    added += len(fresh)
-                for r in fresh:
-                    if latest is None or (r.rank, -r.step) <= (latest.rank, -latest.step):
-                        latest = r
-            if added and any(self._live_launches(s, row)):
-                row.last_progress_at = self.clock()
-            if latest is not None:
+            fresh = self._unseen(s, batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics")
+            if fresh:
+                s.execute(insert(MetricRow), [
+                    {"job_seq": row.seq, "launch_id": batch.launch_id, "rank": r.rank, "agent_seq": r.seq,
+                     "step": r.step, "time": r.time, "values": r.values} for r in fresh])
+                if any(self._live_launches(s, row)):
+                    row.last_progress_at = self.clock()
+                latest = min(fresh, key=lambda r: (r.rank, -r.step))  # the lowest rank's newest step
                 row.last_metrics = {**(row.last_metrics or {}), **latest.values, "step": latest.step,
                                     "time": latest.time}
             seq = row.seq
-        if added:
+        if fresh:
             self.notifier.bump(f"metrics:{seq}")
             self.notifier.bump(f"job:{seq}")
-        return added
+        return len(fresh)
+
+    @staticmethod
+    def _unseen(s: Session, records: list, key_of: Callable) -> list:
+        """The records newer than what was stored before for their key (launch, rank, stream),
+        in sequence order; advances each key's cursor. Makes an agent's resend harmless."""
+        out = []
+        for key, group in _group(records, key_of):
+            cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
+            fresh = [r for r in sorted(group, key=lambda r: r.seq) if r.seq > cursor.last_seq]
+            if fresh:
+                cursor.last_seq = fresh[-1].seq
+                s.merge(cursor)
+                out += fresh
+        return out
 
     # ------------------------------------------------------------ internals: lookups
 
