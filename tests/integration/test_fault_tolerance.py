@@ -59,13 +59,7 @@ def trainer_spec(name: str, args: str = "", **fields) -> JobSpec:
 
 
 def metric_points(c: RelayClient, job_id: str) -> list:
-    points, after = [], 0
-    while True:
-        page = c.metrics(job_id, after=after)
-        if not page.points:
-            return points
-        points += page.points
-        after = page.next_after
+    return list(c.iter_metrics(job_id))
 
 
 def max_step(points, attempt: int) -> int:
@@ -305,3 +299,25 @@ def test_preempted_job_checkpoints_in_grace_requeues_and_resumes(cluster_factory
         assert_same_model(c, victim.id, tmp_path / "out", reference_model)
         assert_nothing_left(victim.id)
         assert_nothing_left(urgent.id)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_cancel_commits_a_checkpoint_unless_told_not_to(cluster_factory, checkpoint):
+    """`relay cancel` (= --checkpoint): SIGTERM, the workers commit a checkpoint at the step they
+    are on and stop within the grace; `--no-checkpoint`: killed at once, nothing committed."""
+    cluster = cluster_factory(1)
+    with RelayClient(cluster.address) as c:
+        job = c.submit(trainer_spec("cancel", "--sleep 0.2", stop_grace_s=60,
+                                    checkpoint={"every_steps": 1000, "keep": 2}), base_dir=JOBS)
+        wait_for_step(c, job.id, 1, 3)
+        c.cancel(job.id, checkpoint=checkpoint)
+        final = c.wait(job.id, timeout=90)
+        assert final.state == JobState.CANCELLED, describe(c, final)
+        logs = [line.text for line in c.iter_logs(job.id)]
+        committed = [t for t in logs if "asked to stop; checkpoint committed at step" in t]
+        if checkpoint:
+            assert len(committed) == 2, logs  # both ranks, the same step
+            assert len({t.rsplit(" ", 1)[-1] for t in committed}) == 1, committed
+        else:
+            assert committed == [], logs
+    assert_nothing_left(job.id)

@@ -465,3 +465,16 @@ def test_a_rank_that_never_ran_is_explained_by_the_launch_message(svc):
     failure = svc.get_job(job.id).failure
     assert failure.rank == 0 and failure.reason.startswith("rank 0 did not run: ")
     assert "RendezvousTimeoutError" in failure.reason
+
+
+@pytest.mark.parametrize("checkpoint, grace", [(True, 12.0), (False, 0.0)])
+def test_cancel_gives_the_stop_grace_unless_no_checkpoint(svc, checkpoint, grace):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1, stop_grace_s=12), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    assert launch.stop_grace_s == 12.0
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    svc.cancel(job.id, checkpoint=checkpoint)
+    (stopping,) = launches_of(svc, n1)
+    assert stopping.desired == "stop" and stopping.stop_grace_s == grace

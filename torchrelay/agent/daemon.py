@@ -419,6 +419,7 @@ class Agent:
                         self._runners[launch_id] = runner
                         runner.thread.start()
                 elif runner is not None:
+                    runner.update(assignment)  # carries the stop's grace (0 for cancel --no-checkpoint)
                     runner.request_stop()
                 elif launch_id not in self._done:
                     # asked to stop something it never ran: say it is over so the server moves on

@@ -135,8 +135,11 @@ class RelayClient:
     def job(self, job_id: str) -> JobInfo:
         return JobInfo.model_validate(self._get(f"/jobs/{job_id}"))
 
-    def cancel(self, job_id: str) -> JobInfo:
-        return JobInfo.model_validate(self._request("POST", f"/jobs/{job_id}/cancel").json())
+    def cancel(self, job_id: str, *, checkpoint: bool = True) -> JobInfo:
+        """Cancel (idempotent). With ``checkpoint`` the workers get the job's stop grace to commit
+        a checkpoint after SIGTERM; without, they are killed at once."""
+        return JobInfo.model_validate(self._request(
+            "POST", f"/jobs/{job_id}/cancel", params={"checkpoint": str(checkpoint).lower()}).json())
 
     def wait(self, job_id: str, timeout: float | None = None, poll_s: float = 10.0) -> JobInfo:
         """Block until the job is SUCCEEDED, FAILED or CANCELLED (or ``timeout``); returns its info."""

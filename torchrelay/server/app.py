@@ -120,8 +120,9 @@ def create_app(service: ClusterService) -> FastAPI:
         return info
 
     @api.post("/jobs/{job_id}/cancel", response_model=JobInfo)
-    def cancel(job_id: str) -> JobInfo:
-        return svc.cancel(job_id)
+    def cancel(job_id: str, checkpoint: bool = True) -> JobInfo:
+        """SIGTERM, then SIGKILL after the job's stop_grace_s; ``checkpoint=false``: kill at once."""
+        return svc.cancel(job_id, checkpoint)
 
     @api.get("/jobs/{job_id}/logs", response_model=LogPage)
     async def get_logs(job_id: str, after: int = Query(0, ge=0), rank: int | None = None,

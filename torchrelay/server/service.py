@@ -274,8 +274,12 @@ class ClusterService:
             row = self._job(s, job_id)
             return row.seq, JobState(row.state)
 
-    def cancel(self, job_id: str) -> JobInfo:
-        """Cancel a job; idempotent (a finished job is returned unchanged)."""
+    def cancel(self, job_id: str, checkpoint: bool = True) -> JobInfo:
+        """Cancel a job; idempotent (a finished job is returned unchanged).
+
+        Workers get SIGTERM, then SIGKILL after the job's ``stop_grace_s``, in which a
+        cooperating script commits a checkpoint (``checkpoint=True``); ``checkpoint=False``
+        kills them at once."""
         with self._lock, self._sessions.begin() as s:
             row = self._job(s, job_id)
             state = JobState(row.state)
@@ -285,7 +289,11 @@ class ClusterService:
                 if JobState(row.state) == JobState.CANCELLING:
                     self._set_state(s, row, JobState.CANCELLED, "no process was running")
             elif state.active and state != JobState.CANCELLING:
-                self._set_state(s, row, JobState.CANCELLING, "cancel requested")
+                self._set_state(s, row, JobState.CANCELLING, "cancel requested"
+                                + ("" if checkpoint else " (no checkpoint: workers killed at once)"))
+                if not checkpoint:
+                    for launch in self._live_launches(s, row):
+                        launch.stop_grace_s = 0.0
                 self._stop_launches(s, row, "job cancelled")
                 self._evaluate(s, row)
             info = self._job_info(s, row, events=True)
@@ -848,7 +856,8 @@ class ClusterService:
             env["RELAY_GPU_TYPE"] = node.gpu_type
         return LaunchAssignment(
             launch_id=launch.id, job_id=row.id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
-            stop_reason=launch.stop_reason, stop_grace_s=spec.stop_grace_s, node_rank=launch.node_rank, nnodes=launch.nnodes,
+            stop_reason=launch.stop_reason,
+            stop_grace_s=spec.stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s, node_rank=launch.node_rank, nnodes=launch.nnodes,
             nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
             master_addr=head_node.address if head_node else None,
             master_port=head.master_port if head else None,

@@ -98,6 +98,8 @@ class LaunchRow(Base):
     message: Mapped[str] = mapped_column(Text, default="")
     # failed for a reason outside the job (its node was lost): a restart does not count
     infra: Mapped[bool] = mapped_column(Boolean, default=False)
+    # overrides the spec's stop_grace_s for this stop (0: `relay cancel --no-checkpoint`)
+    stop_grace_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 

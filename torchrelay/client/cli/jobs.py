@@ -79,10 +79,13 @@ def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> Non
 
 @handle_errors
 def cancel(job_id: str = typer.Argument(...), wait: bool = typer.Option(True, help="wait until it has stopped"),
+           checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint",
+                                           help="give workers the job's stop_grace_s after SIGTERM to commit a "
+                                                "checkpoint (default), or kill them at once"),
            output: Output = OutputOpt) -> None:
     """Cancel a job (idempotent): its workers are ended on every node."""
     with client() as c:
-        info = c.cancel(job_id)
+        info = c.cancel(job_id, checkpoint=checkpoint)
         if wait:
             info = c.wait(job_id, timeout=60)
     if output == Output.json:
