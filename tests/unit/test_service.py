@@ -38,6 +38,22 @@ def launches_of(svc, node_id):
     return svc.desired(node_id).launches
 
 
+def running_job(svc, node_id, **spec_fields):
+    """Submit a one-worker job, place it on ``node_id`` and report it running: (job, launch)."""
+    job = svc.submit(spec(workers=1, **spec_fields), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, node_id)
+    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    return job, launch
+
+
+def lose_node(svc, keep_alive_node_id):
+    """Let every node but ``keep_alive_node_id`` miss its heartbeats past the timeout."""
+    svc.clock_ref.now += 11
+    svc.heartbeat(keep_alive_node_id, Heartbeat())
+    svc.tick()
+
+
 def exit_launch(svc, launch_id, ok=True, code=0, returned=None):
     ranks = [RankExit(rank=0, exit_code=code, returned=ok if returned is None else returned, last_lines=["boom"])]
     svc.launch_status(launch_id, LaunchStatus(state="exited", succeeded=ok, ranks=ranks))
@@ -162,14 +178,9 @@ def test_unknown_ids(svc):
 
 def test_lost_node_fails_its_attempt_and_restart_goes_elsewhere(svc):
     n1 = add_node(svc, "a")
-    job = svc.submit(spec(workers=1, max_restarts=1), None, None)
-    svc.tick()
-    (launch,) = launches_of(svc, n1)
-    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    job, _ = running_job(svc, n1, max_restarts=1)
     n2 = add_node(svc, "b")
-    svc.clock_ref.now += 11
-    svc.heartbeat(n2, Heartbeat())
-    svc.tick()  # n1 missed its heartbeats
+    lose_node(svc, n2)  # n1 missed its heartbeats
     assert {n.name: n.state for n in svc.list_nodes()} == {"a": "LOST", "b": "READY"}
     svc.tick()
     info = svc.get_job(job.id)
@@ -247,14 +258,9 @@ def test_no_progress_for_hang_timeout_restarts_the_attempt(svc):
 
 def test_lost_node_restart_is_not_counted(svc):
     n1 = add_node(svc, "a")
-    job = svc.submit(spec(workers=1, max_restarts=0), None, None)
-    svc.tick()
-    (launch,) = launches_of(svc, n1)
-    svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    job, _ = running_job(svc, n1, max_restarts=0)
     n2 = add_node(svc, "b")
-    svc.clock_ref.now += 11
-    svc.heartbeat(n2, Heartbeat())
-    svc.tick()
+    lose_node(svc, n2)
     svc.tick()
     info = svc.get_job(job.id)
     assert info.state == JobState.RESTARTING and info.restarts == 0
