@@ -24,7 +24,10 @@ Contract:
   ``weights_only=True``, allowlisted metadata). A read error (store unreachable) is raised as
   ``StorageError``, never taken for damage: a job must not silently start over.
 - ``save_checkpoint`` is called on every rank (DCP's save is a collective on a gloo group of
-  its own, so an async save never interleaves with training's collectives). Under the
+  its own, so an async save never interleaves with training's collectives). What the prepared
+  optimizer names as differing between ranks (local SGD, DiLoCo, final averaging) is written
+  once per rank and loaded back by its own rank; a checkpoint holding such replicas refuses a
+  job with another world size (``InvalidSpec``). See checkpoint_replicas. Under the
   ``parameter_server`` strategy server ranks never join, so worker rank 0 writes alone.
 - Async (``async_=True`` or the policy's ``async``): the call returns once a background thread
   has started copying the state; writing and committing happen behind training. At most one
@@ -57,6 +60,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchrelay.errors import CheckpointCorrupt, NotFound, StorageError
 from torchrelay.storage import ArtifactStore, validate_relative_path
 from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
+from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
+                                                  split_replicas)
 
 log = logging.getLogger("torchrelay.train.checkpoint")
 # DCP warns on every single-process save/load even when asked for one (no_dist=True)
@@ -256,13 +261,16 @@ class CheckpointStore:
 
         return StoreWriter(self.store, self.key(name), threads=self.threads, on_start=start, on_commit=commit)
 
-    def save(self, state: dict, step: int, *, group: Any = None) -> str:
+    def save(self, state: dict, step: int, *, group: Any = None,
+             split: Callable[[dict], dict] | None = None) -> str:
         """Write and commit ``state`` as the checkpoint at ``step``; returns its URL. Blocks.
 
-        Collective over ``group`` (None: this process alone). Raises ``StorageError`` on every
-        rank when any rank failed to write, leaving the previous checkpoint loadable.
+        Collective over ``group`` (None: this process alone). ``split`` (see ``_prepare_state``)
+        moves the values that differ between ranks into this rank's own entry. Raises
+        ``StorageError`` on every rank when any rank failed to write, leaving the previous
+        checkpoint loadable.
         """
-        encoded = _prepare_state(state)
+        encoded = _prepare_state(state, split)
         try:
             dcp.save(encoded, storage_writer=self.writer(step), planner=DefaultSavePlanner(),
                      process_group=group, no_dist=group is None)
@@ -355,20 +363,31 @@ class CheckpointStore:
         return None
 
 
-def _prepare_state(state: dict) -> dict:
+def _prepare_state(state: dict, split: Callable[[dict], dict] | None = None) -> dict:
+    """What DCP saves for ``state``: ``split`` applied (checkpoint_replicas), then int keys encoded."""
     if not isinstance(state, dict):
         raise TypeError(f"a checkpoint state must be a dict, got {type(state).__name__}")
-    if INT_KEYS in state:
-        raise ValueError(f"checkpoint key {INT_KEYS!r} is reserved by torchrelay")
+    for reserved in (INT_KEYS, REPLICAS):
+        if reserved in state:
+            raise ValueError(f"checkpoint key {reserved!r} is reserved by torchrelay")
+    if split is not None:
+        state = split(state)
     encoded, paths = encode_int_keys(state)
     if paths:
         encoded[INT_KEYS] = [list(p) for p in paths]
     return encoded
 
 
-def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None) -> dict:
-    """The whole state of verified checkpoint ``name``, tensors on the CPU. Raises ``CheckpointCorrupt``."""
-    planner = SafeLoadPlanner()
+def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None, *, rank: int | None = None,
+                 world_size: int | None = None) -> dict:
+    """The state of verified checkpoint ``name`` as rank ``rank`` of ``world_size`` saved it (default:
+    this process's place in ``group``), tensors on the CPU. Other ranks' replica entries are not
+    read. Raises ``CheckpointCorrupt``, and ``InvalidSpec`` when the checkpoint holds the diverged
+    replicas of another number of ranks (checkpoint_replicas)."""
+    group_rank, group_world = _rank_world(group)
+    rank = group_rank if rank is None else rank
+    world_size = group_world if world_size is None else world_size
+    planner = SafeLoadPlanner(skip=lambda path: belongs_to_other_rank(path, rank))
     reader = StoreReader(checkpoints.store, checkpoints.key(name))
     reader.read_metadata()  # CheckpointCorrupt here, before DCP wraps it (every rank reads the same bytes)
     try:
@@ -379,7 +398,7 @@ def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None) -> 
         raise (StorageError if io_error else CheckpointCorrupt)(message) from None
     state = planner.original_state_dict  # the template-free planner builds the state itself
     paths = state.pop(INT_KEYS, None) or []
-    return decode_int_keys(state, paths)
+    return join_replicas(decode_int_keys(state, paths), rank, world_size, where=f"checkpoint {checkpoints.url(name)}")
 
 
 # ---------------------------------------------------------------- the job's checkpoints
@@ -502,7 +521,11 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     Call it on every rank, with the live tensors (``state_dict()`` shares storage). The prepared
     optimizer's ``before_checkpoint()`` runs first where it has one (final averaging: a
     collective). Replicated tensors are written once, spread over the ranks; keys that only one
-    rank has (per-rank RNG states) are written by that rank.
+    rank has (per-rank RNG states) are written by that rank. Tensors that the prepared optimizer
+    names as differing between ranks (``per_replica_tensors()``; under local SGD, DiLoCo and final
+    averaging: inner optimizer state, buffers, and parameters between sync points) are written
+    once per rank and each rank loads its own back (checkpoint_replicas); they are recognised by
+    their memory, so pass live tensors (``state_dict()``), not copies.
 
     ``async_`` (default: the job policy's ``async``) returns as soon as a background copy of the
     state has started; the prepared optimizer and the objects in ``guard`` (optimizers, modules)
@@ -516,6 +539,7 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
 
     before = getattr(current_optimizer(), "before_checkpoint", None)
     if callable(before):
+        wait_for_staging()  # it changes the parameters: the previous async save must hold its copy
         before()  # e.g. final averaging: the checkpoint holds the consensus (collective)
     ctx = current_context()
     async_ = ctx.checkpoint.async_ if async_ is None else bool(async_)
@@ -525,10 +549,11 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     writes, group = _save_group()
     if not writes:
         return url
+    split = _replica_split(current_optimizer(), group)
     if not async_:
-        return checkpoints.save(state, step, group=group)
+        return checkpoints.save(state, step, group=group, split=split)
     stager, uploader = _async_workers()
-    staged = stager.stage(_prepare_state(state))  # a Future: the copy runs in the stager's thread
+    staged = stager.stage(_prepare_state(state, split))  # a Future: the copy runs in the stager's thread
     writer = checkpoints.writer(step)
 
     def upload() -> None:
@@ -540,6 +565,24 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     _guard(pending, [current_optimizer(), *guard])
     _in_flight = pending
     return url
+
+
+def _replica_split(optimizer: Any, group: Any) -> Callable[[dict], dict] | None:
+    """How this rank's state is split (checkpoint_replicas), or None when every rank holds the same.
+
+    The prepared optimizer names the tensors that differ between ranks now
+    (``per_replica_tensors()``: local SGD, DiLoCo and final averaging do; ddp does not), and
+    the values of the state that view their memory are kept once per rank.
+    """
+    per_replica = getattr(optimizer, "per_replica_tensors", None)
+    if group is None or not callable(per_replica):
+        return None
+    tensors = per_replica()
+    if not tensors:
+        return None
+    is_replica = same_memory(tensors)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return lambda state: split_replicas(state, is_replica, rank, world_size)
 
 
 _workers: tuple[DefaultStager, ThreadPoolExecutor] | None = None
@@ -579,9 +622,16 @@ def load_checkpoint() -> tuple[Any, int] | None:
     Call it on every rank (collective). Tensors land on the CPU (``load_state_dict`` moves
     them). Corrupt ones are skipped with a warning naming each and why.
     """
+    from torchrelay.train.context import current_context
+
     wait_for_checkpoint()
     writes, group = _save_group()
-    loaded = job_checkpoints().load(decode=decode_files, group=group)
+    ctx = current_context()
+
+    def decode(checkpoints: CheckpointStore, name: str, group: Any) -> dict:
+        return decode_files(checkpoints, name, group, rank=ctx.rank, world_size=ctx.world_size)
+
+    loaded = job_checkpoints().load(decode=decode, group=group)
     return None if loaded is None else (loaded.state, loaded.step)
 
 

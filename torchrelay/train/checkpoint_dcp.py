@@ -23,7 +23,8 @@ Contract:
 - ``StoreReader`` is the matching ``StorageReader``. Nothing it reads can run code: ``.metadata``
   goes through an unpickler that only builds DCP's metadata classes, tensors are raw bytes
   copied into fresh tensors, non-tensor values load with ``torch.load(weights_only=True)``
-  (``SafeLoadPlanner``; DCP's default planner uses ``weights_only=False``). Damage it meets is
+  (``SafeLoadPlanner``; DCP's default planner uses ``weights_only=False``; its ``skip`` leaves
+  out values a rank does not need, such as other ranks' replicas). Damage it meets is
   ``CheckpointCorrupt``. It does not check checksums: the caller verifies the folder first.
 """
 from __future__ import annotations
@@ -400,9 +401,24 @@ class StoreReader(StorageReader):
 
 
 class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
-    """Rebuilds the whole saved state from the metadata (no template needed) and unpickles
+    """Rebuilds the saved state from the metadata (no template needed) and unpickles
     non-tensor values with ``weights_only=True``. (DCP's own ``_EmptyStateDictLoadPlanner`` is
-    what ``dcp_to_torch_save`` uses; its ``load_bytes`` would allow any pickle.)"""
+    what ``dcp_to_torch_save`` uses; its ``load_bytes`` would allow any pickle.)
+
+    ``skip(path)``, when given, leaves out the values whose flattened path (a tuple of keys) it
+    accepts: another rank's replica entry is not read at all.
+    """
+
+    def __init__(self, *args: Any, skip: Callable[[tuple], bool] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.skip = skip
+
+    def _should_include_key(self, key: str, metadata: dcp_metadata.Metadata) -> bool:
+        if self.skip is not None:
+            path = (metadata.planner_data or {}).get(key)
+            if path is not None and self.skip(tuple(path)):
+                return False
+        return super()._should_include_key(key, metadata)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:

@@ -17,8 +17,11 @@ Contract:
 - Resuming mid-epoch makes the data iterator from that epoch-start RNG, skips the ``position``
   batches already trained (they are read, not trained on), then puts every RNG back as it was
   at the save: the batches, their order, dropout masks and augmentations continue exactly as
-  in an uninterrupted run with the same world size. With another world size the RNGs of ranks
-  the checkpoint lacks are left alone (a warning says so) and the sampler splits differently.
+  in an uninterrupted run with the same world size. Under local SGD, DiLoCo and final
+  averaging each rank's own parameters, buffers and optimizer state come back too
+  (save_checkpoint keeps them per rank), so a stop between sync points resumes exactly. With
+  another world size the RNGs of ranks the checkpoint lacks are left alone (a warning says so)
+  and the sampler splits differently; a checkpoint holding such per-rank replicas is refused.
 - ``restore()`` and ``save()`` are collective: call them on every rank.
 """
 from __future__ import annotations

@@ -27,6 +27,10 @@ Contract:
   ``||theta_rank - mean(theta)|| / ||mean(theta)||`` over all synchronised parameters.
 - ``state_dict()`` holds the inner optimizer's state, the step counter and each rule's state
   (DiLoCo's global parameters and outer optimizer), so a resumed job keeps its schedule.
+- ``per_replica_tensors()`` names what differs between ranks now, so that a checkpoint keeps
+  one copy per rank of it (``torchrelay.train.checkpoint``): for local_sgd, diloco and
+  final_average the inner optimizer's state and the model's buffers always, the parameters
+  between sync points; nothing for ddp or in a world of 1.
 - ``finish()`` (and the module's ``finish(model, optimizer)``) averages replicas that differ
   at the end; ``before_checkpoint()`` does so for final_average only. Both are idempotent.
 - local_sgd's warm-up averages gradients inside ``step()``, not in backward: gradient
@@ -372,13 +376,14 @@ class SyncOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, kind: str, rules: Sequence[SyncRule],
-                 comm: Collective) -> None:
+                 comm: Collective, model: torch.nn.Module | None = None) -> None:
         # Not calling Optimizer.__init__: the inner optimizer owns param_groups and state
         # (the same choice as torch.distributed.optim.PostLocalSGDOptimizer).
         self.inner = inner
         self.kind = kind
         self.rules = list(rules)
         self.comm = comm
+        self.model = model  # for its buffers, which no strategy here synchronises
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
         self.steps_done = 0
@@ -432,6 +437,24 @@ class SyncOptimizer(torch.optim.Optimizer):
             return True
         return all(rule.synced_at == self.steps_done for rule in self.rules
                    if not isinstance(rule, GradientAverage))
+
+    def per_replica_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose values differ between ranks now (live ones, not copies). Does not communicate.
+
+        Empty for ddp (replicas equal after every step) and in a world of 1. Otherwise the inner
+        optimizer's state (momentum, Adam moments: computed from local gradients) and the model's
+        buffers (never averaged) always, and the synchronised parameters unless this step synced
+        them. DiLoCo's global parameters and outer momentum are the same on every rank: not listed.
+        """
+        if self.kind == "ddp" or self.comm.world_size <= 1:
+            return []
+        out = [value for per_param in self.inner.state.values() for value in per_param.values()
+               if isinstance(value, torch.Tensor)]
+        if self.model is not None:
+            out.extend(self.model.buffers())
+        if not self.replicas_identical:
+            out.extend(self.rules[0].params if self.rules else [])  # every rule holds the same list
+        return out
 
     def before_checkpoint(self) -> None:
         """Collective for final_average (averages so the checkpoint is the consensus); no-op otherwise."""
@@ -586,7 +609,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
     else:
         comm.broadcast_([p.data for p in params], counted=False)
     rules = build_rules(strategy, params, comm)
-    return model, SyncOptimizer(optimizer, kind=strategy.kind, rules=rules, comm=comm)
+    return model, SyncOptimizer(optimizer, kind=strategy.kind, rules=rules, comm=comm, model=model)
 
 
 def finish(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
