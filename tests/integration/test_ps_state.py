@@ -68,11 +68,16 @@ def train(net: torch.nn.Module, opt: PSOptimizer, steps: range) -> None:
         opt.step()
 
 
-def test_state_dict_round_trip_continues_training_exactly():
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_state_dict_round_trip_continues_training_exactly(transport, monkeypatch):
+    """Over shared memory (the default on one host) and over TCP (TORCHRELAY_PS_SHM=0)."""
+    if transport == "tcp":
+        monkeypatch.setenv("TORCHRELAY_PS_SHM", "0")
     first = Cluster()
     try:
         net = model()
         opt = first.worker(net)
+        assert [link.shm for link in opt.links] == [transport == "shm"] * SERVERS
         train(net, opt, range(5))
         state = opt.state_dict()
         train(net, opt, range(5, 10))

@@ -124,6 +124,7 @@ def test_sync_equals_single_process_through_a_shard_kill_under_torchrun(job):
     results = j.results()
     assert [r["generations"] for r in results] == [[2, 1], [2, 1]]
     assert all(r["ps_reconnects"] >= 1 for r in results)
+    assert all(r["ps_shm_shards"] == 2 for r in results)  # the restarted shard mapped the regions again
     assert all(r["ps_staleness_max"] == 0 for r in results)
     want = reference_equiv(20, 2, 16, lr=0.2, momentum=0.9)
     for rank in range(2):

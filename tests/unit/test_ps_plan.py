@@ -80,6 +80,7 @@ HEADERS = [
     P.Header(P.Op.PUSH, worker=3, shard=1, step=2**40, plan_id=2**63 - 1, payload_len=10**9, aux=7),
     P.Header(P.Op.HELLO),
     P.Header(P.Op.PARAMS, aux=P.join_aux(5, 2)),
+    P.Header(P.Op.PUSH, worker=1, step=3, flags=P.FLAG_SHM),
 ]
 
 
@@ -96,9 +97,10 @@ def test_aux_packs_staleness_and_queue_depth():
 @pytest.mark.parametrize("mutate,message", [
     (lambda b: b[:10], "10 bytes"),
     (lambda b: b"XXXX" + b[4:], "bad magic"),
-    (lambda b: b[:4] + bytes([2]) + b[5:], "version 2"),
+    (lambda b: b[:4] + bytes([P.VERSION + 1]) + b[5:], f"version {P.VERSION + 1}"),
     (lambda b: b[:5] + bytes([200]) + b[6:], "unknown op 200"),
-    (lambda b: b[:6] + b"\x01\x00" + b[8:], "flags"),
+    (lambda b: b[:6] + b"\x02\x00" + b[8:], "bits unknown"),
+    (lambda b: b[:5] + bytes([int(P.Op.HELLO), P.FLAG_SHM, 0]) + b[8:], "only PUSH, PULL, PARAMS"),
 ])
 def test_unpack_refuses_malformed_headers(mutate, message):
     with pytest.raises(P.ProtocolError, match=message):
@@ -125,6 +127,27 @@ ME = P.ShardIdentity(shard=1, plan_id=42, num_workers=2, shard_nbytes=100, state
 ])
 def test_check_request_table(header, problem):
     got = P.check_request(header, ME)
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got
+
+
+SHM = P.FLAG_SHM
+
+
+@pytest.mark.parametrize("header,attached,problem", [
+    (P.Header(P.Op.PUSH, 0, 1, 0, 42, 0, 0, SHM), True, None),
+    (P.Header(P.Op.PULL, 0, 1, 0, 42, 0, 0, SHM), True, None),
+    (P.Header(P.Op.PUSH, 0, 1, 0, 42, 100), True, None),            # TCP push on an attached connection
+    (P.Header(P.Op.PUSH, 0, 1, 0, 42, 0, 0, SHM), False, "no shared memory attached"),
+    (P.Header(P.Op.PUSH, 0, 1, 0, 42, 100, 0, SHM), True, "expects exactly 0"),  # payload on both paths
+    (P.Header(P.Op.PUSH, 0, 1, 0, 41, 0, 0, SHM), True, "plan_id"),
+    (P.Header(P.Op.ATTACH, 0, 1, 0, 42, P.ATTACH.size), False, None),
+    (P.Header(P.Op.ATTACH, 0, 1, 0, 42, P.ATTACH.size + 1), False, f"expects exactly {P.ATTACH.size}"),
+])
+def test_check_request_with_shared_memory_table(header, attached, problem):
+    got = P.check_request(header, ME, shm_attached=attached)
     if problem is None:
         assert got is None
     else:

@@ -20,7 +20,8 @@ library calls, on every rank:
 ``RELAY_STRATEGY`` environment variable) and ``.store`` (else the default process group's store,
 else ``TORCHRELAY_PS_STORE=host:port``). Servers must not be asked to join collectives on
 the default process group: collectives among workers go over ``worker_process_group()``.
-Environment knobs: ``TORCHRELAY_PS_HOST`` (address servers publish),
+Environment knobs: ``TORCHRELAY_PS_HOST`` (address servers publish), ``TORCHRELAY_PS_SHM=0``
+(payloads on the socket even when a shard is on the worker's host; default: shared memory there),
 ``TORCHRELAY_PS_MAX_SHARD_RESTARTS`` (default 3), ``TORCHRELAY_PS_RECONNECT_S`` (default 120).
 """
 from __future__ import annotations

@@ -6,6 +6,10 @@ Contract:
   of two contiguous byte buffers laid out by ``plan.make_plan``; a pull lands directly in the
   parameters with ``recv_into`` (no copy), a push sends the gradients straight from theirs.
   On a non-CPU model the buffers are CPU staging copies (one copy each way per step).
+  Where ``shm.shm_enabled()``, both buffers live in one sealed memfd (``shm.WorkerRegion``)
+  that a shard on the same host maps: then a push and its pull move no bytes on the socket
+  (only the 48-byte headers), the server reading the gradients and writing the parameters
+  in place. A shard elsewhere, or one that declines, is spoken to over TCP as before.
 - ``PSOptimizer.step()`` pushes this worker's gradient for its clock to all shards in
   parallel (one thread per shard) and blocks until every shard answers with parameters —
   at once in ``async``, after the round in ``sync``, within the staleness bound in ``ssp``.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import json
 import random
 import socket
@@ -40,6 +45,7 @@ from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import ITEMSIZE, ParamSpec, Plan, make_plan
 from torchrelay.train.ps.rendezvous import ShardDirectory
 from torchrelay.train.ps.server import buffers_for
+from torchrelay.train.ps.shm import WorkerRegion, same_host, shm_enabled
 
 
 def trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -66,8 +72,17 @@ class FlatModel:
         self.params = [p for _, p in trainable(model)]
         self.device = self.params[0].device
         self.on_cpu = self.device.type == "cpu"
-        self.param_flat = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
-        self.grad_flat = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
+        self.region: WorkerRegion | None = None
+        if shm_enabled():
+            try:
+                self.region = WorkerRegion.create(plan.total_nbytes)
+            except OSError as exc:  # e.g. a sandbox without memfd sealing: TCP only
+                print(f"torchrelay.ps: shared memory unavailable, using TCP only: {exc}", file=sys.stderr)
+        if self.region is not None:
+            self.param_flat, self.grad_flat = self.region.params, self.region.grads
+        else:
+            self.param_flat = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
+            self.grad_flat = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
         self.param_views, self.grad_views = [], []
         for spec, offset, p in zip(plan.params, plan.offsets, self.params):
             dtype = getattr(torch, spec.dtype)
@@ -105,20 +120,30 @@ class FlatModel:
 class _ShardLink:
     """One worker's connection to one shard, reconnecting through the directory."""
 
-    def __init__(self, index: int, directory: ShardDirectory, reconnect_timeout_s: float) -> None:
+    def __init__(self, index: int, directory: ShardDirectory, reconnect_timeout_s: float,
+                 region: WorkerRegion | None = None, attach: P.Header | None = None) -> None:
         self.index, self.directory, self.reconnect_timeout_s = index, directory, reconnect_timeout_s
         self.generation = 0
         self.sock: socket.socket | None = None
         self.reconnects = 0
         self.pid = 0
+        self.region, self._attach = region, attach
+        self.shm = False                       # this connection moves payloads through the region
+        self.shm_declined: str | None = None   # why the shard would not map it, if it would not
 
     def connect(self, newer_than: int = 0) -> None:
+        """Connect to the newest incarnation after ``newer_than``; offer the shared region
+        when the shard is on this host (every incarnation maps it anew)."""
         generation, host, port, pid = self.directory.lookup(self.index, newer_than, self.reconnect_timeout_s)
         self.close()
         self.sock = socket.create_connection((host, port), timeout=self.reconnect_timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.generation, self.pid = generation, pid
+        if self.region is not None and self._attach is not None and same_host(self.sock):
+            reply, reason = self._exchange(self._attach, [self.region.attach_payload()], None)
+            self.shm = reply.aux == 1
+            self.shm_declined = None if self.shm else reason.decode(errors="replace")
 
     def _reconnect(self) -> None:
         """Try the incarnation we knew (the connection alone may have broken); if it
@@ -135,6 +160,7 @@ class _ShardLink:
                 self.sock.close()
             finally:
                 self.sock = None
+                self.shm = False
 
     def request(self, header: P.Header, payloads: list[Any], reply_into: memoryview | None = None,
                 hello: P.Header | None = None) -> tuple[P.Header, bytes]:
@@ -159,6 +185,9 @@ class _ShardLink:
 
     def _exchange(self, header: P.Header, payloads: list[Any], reply_into: memoryview | None) -> tuple[P.Header, bytes]:
         assert self.sock is not None
+        shm = self.shm and reply_into is not None and header.op in (P.Op.PUSH, P.Op.PULL)
+        if shm:  # the server reads the gradient from, and writes the parameters into, the region
+            header, payloads = dataclasses.replace(header, flags=P.FLAG_SHM, payload_len=0), []
         self.sock.sendall(P.pack(header))
         for payload in payloads:
             if len(payload):
@@ -169,11 +198,14 @@ class _ShardLink:
             self.close()
             raise P.ProtocolError(f"parameter-server shard {self.index} refused {header.op.name}: {reason}")
         if reply_into is not None:
-            if reply.op != P.Op.PARAMS or reply.payload_len != len(reply_into):
+            want_len, want_flags = (0, P.FLAG_SHM) if shm else (len(reply_into), 0)
+            if reply.op != P.Op.PARAMS or reply.payload_len != want_len or reply.flags != want_flags:
                 self.close()
                 raise P.ProtocolError(f"shard {self.index} answered {header.op.name} with {reply.op.name} "
-                                      f"of {reply.payload_len} bytes; expected PARAMS of {len(reply_into)}")
-            P.recv_exact_into(self.sock, reply_into)
+                                      f"of {reply.payload_len} bytes, flags {reply.flags:#x}; expected "
+                                      f"PARAMS of {want_len} bytes, flags {want_flags:#x}")
+            if not shm:
+                P.recv_exact_into(self.sock, reply_into)
             return reply, b""
         return reply, P.recv_bytes(self.sock, reply.payload_len)
 
@@ -201,7 +233,9 @@ class PSOptimizer:
         self.plan = plan
         self.shards = [plan.shard(i) for i in range(servers)]
         self.flat = FlatModel(model, plan)
-        self.links = [_ShardLink(i, directory, reconnect_timeout_s) for i in range(servers)]
+        region = self.flat.region
+        self.links = [_ShardLink(i, directory, reconnect_timeout_s, region,
+                                 self._header(P.Op.ATTACH, i, payload_len=P.ATTACH.size)) for i in range(servers)]
         self._pool = (concurrent.futures.ThreadPoolExecutor(servers, thread_name_prefix="ps-link")
                       if servers > 1 else None)
         self.clock = 0
@@ -303,6 +337,7 @@ class PSOptimizer:
             "ps_staleness_mean": (sum(self._staleness) / len(self._staleness)) if self._staleness else 0.0,
             "ps_server_queue_depth": (sum(self._queue_depths) / len(self._queue_depths)) if self._queue_depths else 0.0,
             "ps_reconnects": float(sum(link.reconnects for link in self.links)),
+            "ps_shm_shards": float(sum(link.shm for link in self.links)),
             "ps_steps": float(len(self._staleness)),
         }
         self._reset_metrics()
@@ -403,5 +438,7 @@ class PSOptimizer:
         finally:
             for link in self.links:
                 link.close()
+            if self.flat.region is not None:
+                self.flat.region.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=False)

@@ -26,6 +26,11 @@ Contract:
   parameters as soon as that chunk is updated: the update and the pull overlap instead of
   following each other. ssp, and a sync push that does not complete its round, reply after
   the whole update as before.
+- Shared memory (``protocol`` FLAG_SHM): a connection whose worker ATTACHed its region has its
+  gradients read from, and its new parameters written into, the worker's memory; the reply
+  header goes out after the last byte is written. The worker's gradient memory is only read:
+  in ``sync`` the round's sum is kept in server memory (the first server-owned gradient buffer
+  of the round, or this connection's receive buffer), never in a worker's region.
 - ``serve_shard_supervised(...)`` is the server rank's loop: it runs the shard in a child
   process, publishes each incarnation's address through the job's store, and restarts a
   child that dies on the shared state. Returns when a child exits 0 (all workers done).
@@ -52,6 +57,7 @@ from torchrelay.spec import ServerOptimizer
 from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import Plan, Segment, ShardPlan
 from torchrelay.train.ps.rendezvous import ShardDirectory
+from torchrelay.train.ps.shm import ShmDeclined, map_worker_region, same_host
 
 _META_VERSION, _META_INITIALISED, _META_TOKEN, _META_FIXED = 0, 1, 2, 3
 
@@ -141,6 +147,7 @@ class ShardServer:
         self._chunks = chunk_pieces(shard, chunk_bytes)
         self._agg_views: list[torch.Tensor] = []   # sync: the current round's gradient sum
         self._agg_flat: torch.Tensor | None = None  # ... and the byte buffer they view
+        self._agg_borrowed = False          # ... which is a worker's shared region (read only)
         self._pushed: set[int] = set()      # sync: workers in the current round
         self._waiting = 0                   # requests held for a round or the ssp bound
         self._cond = threading.Condition()
@@ -199,6 +206,12 @@ class ShardServer:
         else:
             assert grad_flat is not None
             adam = self.optimizer.name == "adam"
+            # Adam's step count is per tensor: every chunk computes with count + 1 on a copy of
+            # the count before this push; the counts themselves move once, before any chunk is
+            # handed to the sender (so the state is final by the time the reply's last byte is).
+            counts_before = self.state.steps.clone() if adam else None
+            if adam:
+                self.state.steps.add_(1.0)
             for begin, end, pieces in self._chunks:
                 if pieces:
                     dtypes = [getattr(torch, self.shard.segments[i].dtype) for i, _, _ in pieces]
@@ -206,14 +219,10 @@ class ShardServer:
                     def views(flat: torch.Tensor) -> list[torch.Tensor]:
                         return [flat[lo:hi].view(dt) for (_, lo, hi), dt in zip(pieces, dtypes)]
 
-                    # Adam's step count is per tensor: every chunk computes with count + 1 on a
-                    # copy; the counts themselves move once, below.
-                    steps = [self.state.steps[i:i + 1].clone() for i, _, _ in pieces] if adam else []
+                    steps = [counts_before[i:i + 1].clone() for i, _, _ in pieces] if adam else []
                     self._optimizer_math(views(self.state.params), views(grad_flat),
                                          [views(b) for b in self.state.buffers], steps)
                 sender.put(self.state.params[begin:end])
-            if adam:
-                self.state.steps.add_(1.0)
         self.state.meta[_META_VERSION] += 1
         self.updates_applied += 1
 
@@ -284,7 +293,7 @@ class ShardServer:
                 except P.ProtocolError as exc:
                     self._reply_error(conn, str(exc))
                     return
-                reason = P.check_request(header, self.identity)
+                reason = P.check_request(header, self.identity, buffers.shm_params is not None)
                 if reason is not None:
                     self._reply_error(conn, reason)
                     return
@@ -304,8 +313,24 @@ class ShardServer:
         """Serve one checked request. Returns False when the connection must close."""
         op = h.op
         if op == P.Op.PUSH:
+            if h.flags & P.FLAG_SHM:
+                return self._push(conn, h, buffers.shm_grad_views, buffers.shm_grads, buffers)
             P.recv_exact_into(conn, memoryview(buffers.recv.numpy()))
-            return self._push(conn, h, buffers.recv_views, buffers)
+            return self._push(conn, h, buffers.recv_views, buffers.recv, buffers)
+        if op == P.Op.ATTACH:
+            payload = P.recv_bytes(conn, h.payload_len)
+            try:
+                if not same_host(conn):
+                    raise ShmDeclined("the worker is not on this shard's host")
+                params, grads = map_worker_region(payload, self.shard.end)
+            except ShmDeclined as exc:
+                reason = str(exc).encode()
+                self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id,
+                                           len(reason), 0), reason)
+                return True
+            buffers.attach(params[self.shard.begin:], grads[self.shard.begin:])
+            self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id, 0, 1))
+            return True
         if op == P.Op.HELLO:
             with self._cond:
                 clock = self.version if self.mode == "sync" else self._clock(h.worker)
@@ -323,12 +348,13 @@ class ShardServer:
             self._reply(conn, P.Header(P.Op.OK, h.worker, self.shard.index, self.version, self.shard.plan_id))
             return True
         if op == P.Op.PULL:
+            shm = buffers.shm_params if h.flags & P.FLAG_SHM else None
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or bool(self.state.meta[_META_INITIALISED]))
-                buffers.send.copy_(self.state.params)
+                (buffers.send if shm is None else shm).copy_(self.state.params)
                 version = self.version
-            self._reply(conn, P.Header(P.Op.PARAMS, h.worker, self.shard.index, version, self.shard.plan_id,
-                                       self.shard.nbytes), buffers.send)
+            self._reply(conn, self._params_header(h.worker, version, 0, shm is not None),
+                        *(() if shm is not None else (buffers.send,)))
             return True
         if op == P.Op.DONE:
             with self._cond:
@@ -361,10 +387,45 @@ class ShardServer:
         self._reply_error(conn, f"op {op.name} is not handled")  # unreachable: check_request
         return False
 
-    def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor],
+    def _params_header(self, worker: int, version: int, aux: int, shm: bool) -> P.Header:
+        if shm:
+            return P.Header(P.Op.PARAMS, worker, self.shard.index, version, self.shard.plan_id, 0, aux, P.FLAG_SHM)
+        return P.Header(P.Op.PARAMS, worker, self.shard.index, version, self.shard.plan_id, self.shard.nbytes, aux)
+
+    def _reply_sender(self, conn: socket.socket, header: P.Header, buffers: "_ConnectionBuffers",
+                      snapshot: bool) -> "_ReplySender | _ShmReply":
+        if header.flags & P.FLAG_SHM:
+            assert buffers.shm_params is not None
+            return _ShmReply(conn, P.pack(header), buffers.shm_params)
+        return _ReplySender(conn, P.pack(header), snapshot=buffers.send if snapshot else None)
+
+    def _add_to_round(self, grads: list[torch.Tensor], grad_flat: torch.Tensor, borrowed: bool,
+                      buffers: "_ConnectionBuffers") -> None:
+        """Add a push to the round's gradient sum (lock held). The sum lives in server memory
+        and never in a worker's shared region (a worker may read its gradients after step())."""
+        if not self._pushed:
+            # The round's first gradient buffer becomes the sum: that connection is blocked
+            # until the round ends, so its buffer stays put (no copy).
+            self._agg_views, self._agg_flat, self._agg_borrowed = grads, grad_flat, borrowed
+        elif not grads:
+            pass
+        elif not self._agg_borrowed:
+            torch._foreach_add_(self._agg_views, grads)
+        else:
+            # The sum so far is a worker's region: move it into this connection's own buffer
+            # (blocked until the round ends as well), adding as it goes: no extra pass.
+            if borrowed:
+                for out, a, g in zip(buffers.recv_views, self._agg_views, grads):
+                    torch.add(a, g, out=out)
+            else:
+                torch._foreach_add_(grads, self._agg_views)
+            self._agg_views, self._agg_flat, self._agg_borrowed = buffers.recv_views, buffers.recv, False
+
+    def _push(self, conn: socket.socket, h: P.Header, grads: list[torch.Tensor], grad_flat: torch.Tensor,
               buffers: "_ConnectionBuffers") -> bool:
         w, step = h.worker, h.step
-        sender: _ReplySender | None = None
+        shm = bool(h.flags & P.FLAG_SHM)
+        sender: _ReplySender | _ShmReply | None = None
         with self._cond:
             if not self.state.meta[_META_INITIALISED]:
                 self._reply_error_locked(conn, "PUSH before the shard was initialised (INIT first)")
@@ -379,18 +440,12 @@ class ShardServer:
                                                    f"shard {self.shard.index} is in round {expected}")
                     return False
                 else:
-                    # The round's first gradient buffer becomes the sum: that connection is
-                    # blocked until the round ends, so its buffer stays put (no copy).
-                    if not self._pushed:
-                        self._agg_views, self._agg_flat = grads, buffers.recv
-                    elif grads:
-                        torch._foreach_add_(self._agg_views, grads)
+                    self._add_to_round(grads, grad_flat, shm, buffers)
                     self._pushed.add(w)
                     if all(o in self._pushed for o in self._active()):
                         # this push completes the round: overlap its update with its reply
-                        sender = _ReplySender(conn, P.pack(P.Header(
-                            P.Op.PARAMS, w, self.shard.index, self.version + 1, self.shard.plan_id,
-                            self.shard.nbytes, P.join_aux(0, self._waiting))))
+                        sender = self._reply_sender(conn, self._params_header(
+                            w, self.version + 1, P.join_aux(0, self._waiting), shm), buffers, snapshot=False)
                         self._maybe_finish_sync_round(sender)
                     else:
                         self._waiting += 1
@@ -414,11 +469,11 @@ class ShardServer:
                     staleness = step - self._min_active_clock()
                     if self.mode == "async":
                         # answered at once: overlap the update with the reply; the reply is a
-                        # snapshot (buffers.send), so later updates cannot change it mid-send
-                        sender = _ReplySender(conn, P.pack(P.Header(
-                            P.Op.PARAMS, w, self.shard.index, self.version + 1, self.shard.plan_id,
-                            self.shard.nbytes, P.join_aux(staleness, self._waiting))), snapshot=buffers.send)
-                    self._apply(grads, buffers.recv, sender)
+                        # snapshot (buffers.send, or the worker's region written under the
+                        # lock), so later updates cannot change it mid-send
+                        sender = self._reply_sender(conn, self._params_header(
+                            w, self.version + 1, P.join_aux(staleness, self._waiting), shm), buffers, snapshot=True)
+                    self._apply(grads, grad_flat, sender)
                     self.state.meta[_META_FIXED + w] = step + 1
                     self._cond.notify_all()
                     if self.mode == "ssp":
@@ -428,13 +483,18 @@ class ShardServer:
                         self._waiting -= 1
                 depth = self._waiting
                 if sender is None:
-                    buffers.send.copy_(self.state.params)
-                version, payload = self.version, buffers.send
+                    (buffers.shm_params if shm else buffers.send).copy_(self.state.params)
+                version, payload = self.version, (None if shm else buffers.send)
         if sender is not None:
             sender.finish()
             return True
-        self._reply(conn, P.Header(P.Op.PARAMS, w, self.shard.index, version, self.shard.plan_id,
-                                   self.shard.nbytes, P.join_aux(staleness, depth)), payload)
+        header = self._params_header(w, version, P.join_aux(staleness, depth), shm)
+        if shm:
+            if payload is self.state.params:  # sync: stable until this worker pushes again
+                buffers.shm_params.copy_(payload)
+            self._reply(conn, header)
+        else:
+            self._reply(conn, header, payload)
         return True
 
     # ------------------------------------------------------------ state transfer
@@ -538,12 +598,37 @@ class _ReplySender:
             raise ConnectionError(f"reply not sent: {self.error}")
 
 
+class _ShmReply:
+    """A PARAMS reply through the worker's shared region: ``put`` copies each updated chunk
+    into the worker's parameters at once (under the caller's lock, so it is a consistent
+    snapshot); ``finish`` then sends the header, which tells the worker every byte is there."""
+
+    def __init__(self, conn: socket.socket, header: bytes, target: torch.Tensor) -> None:
+        self._conn, self._header, self._target, self._offset = conn, header, target, 0
+
+    def put(self, chunk: torch.Tensor) -> None:
+        self._target[self._offset:self._offset + chunk.numel()].copy_(chunk)
+        self._offset += chunk.numel()
+
+    def finish(self) -> None:
+        """Send the header. Raises ``OSError`` if the connection is gone."""
+        self._conn.sendall(self._header)
+
+
 class _ConnectionBuffers:
     """One connection's receive buffer (gradients land here, zero-copy) and send snapshot,
     allocated on first use: a connection that only says HELLO costs nothing."""
 
     def __init__(self, shard: ShardPlan) -> None:
         self.shard = shard
+        self.shm_params: torch.Tensor | None = None   # this shard's bytes of the worker's region
+        self.shm_grads: torch.Tensor | None = None
+        self.shm_grad_views: list[torch.Tensor] = []
+
+    def attach(self, params: torch.Tensor, grads: torch.Tensor) -> None:
+        n = self.shard.nbytes
+        self.shm_params, self.shm_grads = params[:n], grads[:n]
+        self.shm_grad_views = typed_views(self.shm_grads, self.shard.segments)
 
     @functools.cached_property
     def recv(self) -> torch.Tensor:
