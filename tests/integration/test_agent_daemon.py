@@ -113,7 +113,7 @@ def cluster(tmp_path):
         server.stop()
     launches = tmp_path / "agent" / "launches"
     for launch_dir in (launches.iterdir() if launches.exists() else ()):
-        assert find_launch_processes(launch_dir.name) == [], f"processes of {launch_dir.name} left"
+        assert find_launch_processes(launch_dir.name, launch_dir) == [], f"processes of {launch_dir.name} left"
 
 
 def spec(mode: str = "ok") -> JobSpec:
@@ -145,13 +145,66 @@ def test_cancel_mid_run_stops_every_process(cluster, job_dir, tmp_path):
             assert time.monotonic() < deadline, "workers never got ready"
             assert not client.job(info.id).state.terminal, client.job(info.id)
             time.sleep(0.2)
-        (launch_id,) = [p.name for p in (tmp_path / "agent" / "launches").iterdir()]
-        assert len(find_launch_processes(launch_id)) >= 5  # torchrun, 2 supervisors, 2 scripts
+        (launch_dir,) = (tmp_path / "agent" / "launches").iterdir()
+        launch_id = launch_dir.name
+        assert len(find_launch_processes(launch_id, launch_dir)) >= 5  # torchrun, 2 supervisors, 2 scripts
         client.cancel(info.id)
         final = client.wait(info.id, timeout=60, poll_s=2)
         assert final.state == JobState.CANCELLED, final
-        assert find_launch_processes(launch_id) == []
+        assert find_launch_processes(launch_id, launch_dir) == []
         assert agent.agent.launches().get(launch_id) in (None, "exited")
+
+
+SOLO = """
+import json, os, sys, time
+with open(os.path.join(os.environ["RELAY_METRICS_DIR"], "rank-0.jsonl"), "a") as fh:
+    fh.write(json.dumps({"step": 1, "time": time.time(), "values": {"x": 1.0}}) + "\\n")
+print("solo", os.environ["RANK"], os.environ["WORLD_SIZE"], "TORCHELASTIC_USE_AGENT_STORE=" +
+      os.environ["TORCHELASTIC_USE_AGENT_STORE"], flush=True)
+if "hang" in sys.argv:
+    print("solo ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_world_of_one_runs_without_torchrun(cluster, tmp_path):
+    """One worker on one node: forked by the agent's zygote, no torchrun; the job still goes
+    through RUNNING to SUCCEEDED with its lines and metrics, and a cancel leaves nothing."""
+    server, agent = cluster
+    code = tmp_path / "solo"
+    code.mkdir()
+    (code / "solo.py").write_text(textwrap.dedent(SOLO))
+    with RelayClient(server.address) as client:
+        client.wait_for_nodes(1, timeout=30)
+        info = client.submit(JobSpec.parse({"name": "solo", "entrypoint": "python solo.py", "workers": 1}),
+                             base_dir=code)
+        final = client.wait(info.id, timeout=60, poll_s=0.5)
+        assert final.state == JobState.SUCCEEDED, final
+        assert JobState.RUNNING in {event.state for event in final.events}
+        assert "solo 0 1 TORCHELASTIC_USE_AGENT_STORE=False" in {line.text for line in client.logs(info.id).lines}
+        assert [(p.rank, p.step) for p in client.metrics(info.id).points] == [(0, 1)]
+        (launch_dir,) = [p for p in (tmp_path / "agent" / "launches").iterdir()]
+        assert "forked by the zygote" in (launch_dir / "launch.log").read_text()
+        assert not (launch_dir / "torchrun.log").exists()
+
+        hang = client.submit(JobSpec.parse({"name": "solo", "entrypoint": "python solo.py hang", "workers": 1}),
+                             base_dir=code)
+        deadline = time.monotonic() + 60
+        while "solo ready" not in {line.text for line in client.logs(hang.id).lines}:
+            assert time.monotonic() < deadline, "the worker never got ready"
+            time.sleep(0.1)
+        client.cancel(hang.id)
+        final = client.wait(hang.id, timeout=60, poll_s=0.5)
+        assert final.state == JobState.CANCELLED, final
+    # a forked worker's own environment does not name its launch: find it by its marker's pid
+    (marker,) = [p for p in (tmp_path / "agent" / "launches").glob("*/status/rank-0.json")
+                 if p.parent.parent != launch_dir]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(json.loads(marker.read_text())["pid"], 0)
+    zygote = agent.agent.zygote
+    assert zygote is not None and zygote.pid is not None
+    agent.stop()
+    assert zygote._proc.poll() is not None  # closing the agent ends its zygote
 
 
 @pytest.mark.slow
@@ -182,15 +235,21 @@ def test_agent_keeps_what_it_could_not_send(tmp_path, job_dir):
     finally:
         agent.stop()
         server.stop()
-    assert find_launch_processes(launch_id) == []
+    assert find_launch_processes(launch_id, tmp_path / "agent" / "launches" / launch_id) == []
 
 
 def test_start_ends_processes_an_earlier_agent_left(tmp_path):
     launch_id = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
     (tmp_path / "agent" / "launches" / launch_id).mkdir(parents=True)
     (tmp_path / "agent" / "node.json").write_text(json.dumps({"node_id": "node-earlier"}))
-    orphan = subprocess.Popen(["sleep", "600"], env={**os.environ, "RELAY_LAUNCH_ID": launch_id},
+    launch_dir = tmp_path / "agent" / "launches" / launch_id
+    orphan = subprocess.Popen(["sleep", "600"], env={**os.environ, "RELAY_LAUNCH_ID": launch_id,
+                                                      "RELAY_LAUNCH_DIR": str(launch_dir)},
                               start_new_session=True)
+    # another cluster's process with the same launch id (ids repeat across clusters): left alone
+    stranger = subprocess.Popen(["sleep", "600"], env={**os.environ, "RELAY_LAUNCH_ID": launch_id,
+                                                        "RELAY_LAUNCH_DIR": str(tmp_path / "elsewhere")},
+                                start_new_session=True)
     server = ServerThread(tmp_path)
     agent = AgentThread(server.address, tmp_path / "agent")
     try:
@@ -198,9 +257,11 @@ def test_start_ends_processes_an_earlier_agent_left(tmp_path):
         with RelayClient(server.address) as client:
             (node,) = client.wait_for_nodes(1, timeout=30)
         assert node.id == "node-earlier"  # registered again under the saved id
+        assert stranger.poll() is None
     finally:
-        if orphan.poll() is None:
-            orphan.kill()
-            orphan.wait()
+        for proc in (orphan, stranger):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         agent.stop()
         server.stop()

@@ -118,7 +118,7 @@ def test_stop_mid_run_leaves_no_process(tmp_path, launches):
         assert time.monotonic() < deadline, "workers never got ready"
         ready |= {r.rank for r in launch.take_logs() if r.text.endswith("ready")}
         time.sleep(0.1)
-    pids = find_launch_processes(launch.launch_id)
+    pids = find_launch_processes(launch.launch_id, launch.run_dir)
     groups = {os.getpgid(pid) for pid in pids}
     assert launch.torchrun_pid in pids and len(groups) >= 3  # torchrun's session + one per worker
 

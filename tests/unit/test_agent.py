@@ -99,6 +99,7 @@ def test_worker_env(tmp_path, base, job_env, expected_omp):
     assert env["RELAY_METRICS_DIR"] == str(tmp_path / "metrics")
     assert env["RELAY_RANK_STATUS_DIR"] == str(tmp_path / "status")
     assert env["RELAY_LOG_DIR"] == str(tmp_path / "logs")
+    assert env["RELAY_LAUNCH_DIR"] == str(tmp_path)  # with RELAY_LAUNCH_ID: how the agent finds them
 
 
 def test_job_env_cannot_override_relay_variables(tmp_path):

@@ -11,21 +11,27 @@ Contract:
   before starting torchrun, other nodes wait for ``master_addr``/``master_port`` in a later
   reply; a launch with ``desired="stop"``, or one the server no longer lists, is stopped.
   Every state change is posted as a ``wire.LaunchStatus`` (in order, per launch, after the
-  logs it depends on).
+  logs it depends on) as soon as it happens: it wakes the shipper, which sends all queued
+  statuses in one cycle, leaving out a ``preparing`` one a later status of the same launch
+  supersedes (``coalesce_statuses``). Node 0 of a world of one (``launcher.is_direct``) posts
+  no port: nobody waits for it.
+- Direct launches of Python workers are forked from the agent's zygote (``zygote.Zygote``,
+  started with the first one; ``zygote=False`` or ``RELAY_AGENT_ZYGOTE=0`` turns it off).
 - A background thread ships logs and metrics every ``ship_interval_s`` s
   (``POST /jobs/{job}/logs`` and ``/metrics``). While the server is unreachable everything is
   kept and resent later (the server dedups by sequence numbers); a server that forgot the
   node (404 on heartbeat) gets a re-registration with the old ``node_id``.
-- ``Agent.close()`` stops every launch (SIGTERM, SIGKILL after ``stop_grace_s``), tries once
-  more to deliver what is pending, and returns when no process of any launch is left.
+- ``Agent.close()`` stops every launch (SIGTERM, SIGKILL after ``stop_grace_s``), closes the
+  zygote, tries once more to deliver what is pending, and returns when no process of any
+  launch is left.
   Idempotent.
 
 - On start, processes of launches in ``work_dir`` that an earlier agent left (it was killed
   without ``close``) are killed, and the agent registers under the node id saved there.
 
-Layout of ``work_dir``: ``node.json`` (the node id), ``bundles/<sha256>.tar.gz`` and
-``launches/<launch_id>/`` (``code/`` plus the launcher's ``logs/``, ``metrics/``, ``status/``,
-``torchrun.log``).
+Layout of ``work_dir``: ``node.json`` (the node id), ``bundles/<sha256>.tar.gz``,
+``zygote.log`` and ``launches/<launch_id>/`` (``code/`` plus the launcher's ``logs/``,
+``metrics/``, ``status/``, ``torchrun.log`` or ``launch.log``).
 """
 from __future__ import annotations
 
@@ -44,7 +50,8 @@ from pathlib import Path
 import httpx
 
 from torchrelay import wire
-from torchrelay.agent.launcher import Launch, find_launch_processes, pick_free_port
+from torchrelay.agent.launcher import Launch, find_launch_processes, is_direct, pick_free_port
+from torchrelay.agent.zygote import Zygote
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +107,40 @@ def detect_gpus() -> tuple[int, str | None]:
     if out.returncode != 0:
         return 0, None
     return parse_nvidia_smi_list(out.stdout)
+
+
+def coalesce_statuses(outbox: list[tuple[str, wire.LaunchStatus]]) -> list[tuple[str, wire.LaunchStatus]]:
+    """The entries of ``outbox`` worth sending, in order (pure; the same tuple objects).
+
+    A ``preparing`` status followed by any later status of the same launch says nothing the
+    later one does not (node 0's ``running`` repeats the port), so it is left out: a launch
+    that started within one shipping cycle costs the server two posts (running, exited)
+    instead of three or four. ``running`` and ``exited`` are always kept: the job's history
+    shows both.
+    """
+    later: set[str] = set()
+    kept = []
+    for entry in reversed(outbox):
+        launch_id, status = entry
+        if status.state == "preparing" and launch_id in later:
+            continue
+        later.add(launch_id)
+        kept.append(entry)
+    kept.reverse()
+    return kept
+
+
+def settled_statuses(outbox: list[tuple[str, wire.LaunchStatus]],
+                     sent: list[tuple[str, wire.LaunchStatus]]) -> list[tuple[str, wire.LaunchStatus]]:
+    """The entries of ``outbox`` that need no sending any more, given that ``sent`` (entries
+    of ``outbox``, by identity) reached the server: each launch's entries up to its last sent
+    one (pure)."""
+    sent_ids = {id(entry) for entry in sent}
+    last_sent: dict[str, int] = {}
+    for index, entry in enumerate(outbox):
+        if id(entry) in sent_ids:
+            last_sent[entry[0]] = index
+    return [entry for index, entry in enumerate(outbox) if index <= last_sent.get(entry[0], -1)]
 
 
 # ---------------------------------------------------------------- one launch on this node
@@ -167,8 +208,9 @@ class _Runner:
             return
         if assignment.node_rank == 0:
             master_addr, master_port = self.agent.host, pick_free_port(self.agent.host)
-            self.agent._post_status(self.launch_id, wire.LaunchStatus(state="preparing",
-                                                                      master_port=master_port))
+            if not is_direct(assignment):  # peers wait for the port; a world of one has none
+                self.agent._post_status(self.launch_id, wire.LaunchStatus(state="preparing",
+                                                                          master_port=master_port))
         else:
             with self.assignment_changed:
                 self.assignment_changed.wait_for(
@@ -180,7 +222,7 @@ class _Runner:
                                          message="stopped before it started"))
             return
         launch = Launch(self.assignment, code_dir=code_dir, run_dir=self.run_dir,
-                        relay_address=self.agent.address)
+                        relay_address=self.agent.address, zygote=self.agent.zygote)
         self.launch = launch
         launch.start(master_addr, master_port)
         self.state = "running"
@@ -235,7 +277,7 @@ class Agent:
                  cpus: float | None = None, gpus: int | None = None, memory: int | None = None,
                  work_dir: Path, labels: dict[str, str] | None = None,
                  heartbeat_wait_s: float = 10.0, ship_interval_s: float = 0.3,
-                 stop_grace_s: float = 10.0):
+                 stop_grace_s: float = 10.0, zygote: bool | None = None):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"address {address!r} is not a URL; give e.g. http://127.0.0.1:8765")
         if not name:
@@ -253,6 +295,12 @@ class Agent:
         self.ship_interval_s = ship_interval_s
         self.stop_grace_s = stop_grace_s
         self.node_id: str | None = None
+        # Direct Python workers are forked from a warm interpreter (see zygote.py) unless
+        # zygote=False or RELAY_AGENT_ZYGOTE=0; it starts with the first such launch.
+        if zygote is None:
+            zygote = os.environ.get("RELAY_AGENT_ZYGOTE", "1") != "0"
+        self.zygote = Zygote(env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             log_path=str(self.work_dir / "zygote.log")) if zygote else None
         self._version = -1
         self._wait_s = heartbeat_wait_s
         self._runners: dict[str, _Runner] = {}
@@ -307,6 +355,8 @@ class Agent:
                 runner.thread.join()
             elif runner.launch is not None:  # never started thread or finished: sweep anyway
                 runner.launch.stop(self.stop_grace_s)
+        if self.zygote is not None:
+            self.zygote.close()
         for thread in self._threads:
             if thread.name == "relay-agent-ship":
                 thread.join(timeout=self.ship_interval_s + 12.0)
@@ -326,10 +376,10 @@ class Agent:
 
     def _end_orphans(self) -> None:
         """Kill processes of launches in ``work_dir`` left by an agent that died without
-        ``close()`` (they carry that launch's ``RELAY_LAUNCH_ID``)."""
+        ``close()`` (they carry that launch's ``RELAY_LAUNCH_ID`` and ``RELAY_LAUNCH_DIR``)."""
         launches = self.work_dir / "launches"
         for launch_dir in sorted(launches.iterdir()) if launches.is_dir() else ():
-            pids = find_launch_processes(launch_dir.name)
+            pids = find_launch_processes(launch_dir.name, launch_dir)
             if pids:
                 log.warning("ending %d processes of launch %s left by an earlier agent",
                             len(pids), launch_dir.name)
@@ -530,28 +580,34 @@ class Agent:
     def _ship_cycle(self) -> None:
         with self._outbox_lock:
             statuses = list(self._outbox)
+        sending = coalesce_statuses(statuses)
         with self._lock:
             runners = list(self._runners.values())
         for runner in runners:
             runner.take_records()
             if not self._send_records(runner):
                 return  # server unreachable: keep everything, keep the order
-        for launch_id, status in statuses:
+        sent = []
+        for entry in sending:
+            launch_id, status = entry
             try:
                 reply = self._http.post(f"/launches/{launch_id}/status",
                                         json=status.model_dump(mode="json"))
             except httpx.HTTPError as exc:
                 log.warning("cannot post status of launch %s: %s", launch_id, exc)
-                return
+                break
             if reply.status_code >= 500:
                 log.warning("server refused status of launch %s: %s %s", launch_id,
                             reply.status_code, reply.text[:200])
-                return
+                break
             if reply.status_code >= 400:  # it forgot the launch, or refuses it: don't resend
                 log.warning("server rejected status %s of launch %s: %s %s", status.state,
                             launch_id, reply.status_code, reply.text[:200])
+            sent.append(entry)
+        settled = {id(entry) for entry in settled_statuses(statuses, sent)}
+        if settled:
             with self._outbox_lock:
-                self._outbox.remove((launch_id, status))
+                self._outbox = [entry for entry in self._outbox if id(entry) not in settled]
 
     def _send_records(self, runner: _Runner) -> bool:
         """Post a runner's buffered logs and metrics; False if the server could not be reached."""

@@ -5,6 +5,8 @@ Usage (what the launcher puts after torchrun's ``-m``)::
     python -m torchrelay.agent.worker SCRIPT.py ARGS...      # like `python SCRIPT.py ARGS...`
     python -m torchrelay.agent.worker -m MODULE ARGS...      # like `python -m MODULE ARGS...`
     python -m torchrelay.agent.worker --exec PROGRAM ARGS... # any other program (no hook)
+    python -m torchrelay.agent.worker --no-supervisor SCRIPT.py|-m MODULE ARGS...
+        # the script process alone: its parent (the agent's direct launch) supervises it
 
 Why: with torch's gloo backend a rank sometimes dies with SIGABRT ("terminate called without
 an active exception") during interpreter teardown, after the script has returned (DESIGN.md
@@ -27,6 +29,11 @@ How, in two layers:
    A script that raises, or exits non-zero, prints its traceback and exits with its code
    (1 for an exception); a script process killed by a signal before returning makes the
    supervisor exit ``128 + signal``; both are failures.
+
+``--no-supervisor`` (what the agent's direct launch of a world of one uses, see
+``torchrelay.agent.launcher``) runs only layer 2 in this process; the parent that started it
+does layer 1 with the same functions (``pump_until_exit``, ``conclude``), which saves starting
+a second interpreter per launch.
 
 Rank marker ``$RELAY_RANK_STATUS_DIR/rank-$RANK.json`` (only when that variable is set):
 written by the script process as ``{"returned": bool, "exit_code": int}`` when the script
@@ -55,7 +62,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
@@ -135,16 +141,18 @@ def supervisor_exit_code(marker: dict) -> int:
 # ---------------------------------------------------------------- markers and output
 
 
-def _marker_path() -> str | None:
-    directory = os.environ.get("RELAY_RANK_STATUS_DIR")
+def marker_path(env=os.environ) -> str | None:
+    """``$RELAY_RANK_STATUS_DIR/rank-$RANK.json`` of ``env``, or None without that variable."""
+    directory = env.get("RELAY_RANK_STATUS_DIR")
     if not directory:
         return None
-    return os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}.json")
+    return os.path.join(directory, f"rank-{env.get('RANK', '0')}.json")
 
 
-def write_marker(data: dict) -> None:
-    """Atomically write the rank marker, if ``RELAY_RANK_STATUS_DIR`` is set. Never raises."""
-    path = _marker_path()
+def write_marker(data: dict, path: str | None = None) -> None:
+    """Atomically write the rank marker to ``path`` (default: ``marker_path()``; nothing
+    without one). Never raises."""
+    path = path or marker_path()
     if path is None:
         return
     try:
@@ -157,8 +165,8 @@ def write_marker(data: dict) -> None:
         print(f"torchrelay worker: cannot write rank marker {path}: {exc}", file=sys.stderr)
 
 
-def read_marker() -> dict | None:
-    path = _marker_path()
+def read_marker(path: str | None = None) -> dict | None:
+    path = path or marker_path()
     if path is None:
         return None
     try:
@@ -171,12 +179,13 @@ def read_marker() -> dict | None:
 MAX_LINE_BYTES = 64 * 1024
 
 
-def _log_path() -> str | None:
-    directory = os.environ.get("RELAY_LOG_DIR")
+def log_path(env=os.environ) -> str | None:
+    """``$RELAY_LOG_DIR/rank-$RANK.log`` of ``env`` (the folder is created), or None."""
+    directory = env.get("RELAY_LOG_DIR")
     if not directory:
         return None
     os.makedirs(directory, exist_ok=True)
-    return os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}.log")
+    return os.path.join(directory, f"rank-{env.get('RANK', '0')}.log")
 
 
 class RankLog:
@@ -223,18 +232,26 @@ class RankLog:
         os.close(self.fd)
 
 
-def _pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog) -> int:
-    """Copy the child's output pipes into ``rank_log`` until it exits; its wait status.
+def _waitpid(child: int, block: bool) -> int | None:
+    pid, status = os.waitpid(child, 0 if block else os.WNOHANG)
+    return status if pid else None
 
-    After the child is reaped, output still arriving (from a grandchild holding the pipe) is
-    read for at most one more second.
+
+def pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog, reap=_waitpid) -> int:
+    """Copy the child's output pipes (``{read fd: "o" | "e"}``, closed here) into ``rank_log``
+    until it exits; returns its wait status. Blocks.
+
+    ``reap(child, block)`` gives the wait status once the child ended (None while it runs and
+    ``block`` is false); by default ``os.waitpid``, so the child is reaped here.
+    After the child ended, output still arriving (from a grandchild holding the pipe) is read
+    for at most one more second.
     """
     status = None
     reaped_at = 0.0
     while streams:
         if status is None:
-            pid, wait_status = os.waitpid(child, os.WNOHANG)
-            if pid:
+            wait_status = reap(child, False)
+            if wait_status is not None:
                 status, reaped_at = wait_status, time.monotonic()
         elif time.monotonic() - reaped_at > 1.0:
             break
@@ -249,7 +266,7 @@ def _pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog) -> 
     for fd in streams:
         os.close(fd)
     if status is None:  # it closed its stdout and stderr but lives on
-        _, status = os.waitpid(child, 0)
+        status = reap(child, True)
     return status
 
 
@@ -328,6 +345,8 @@ def run_script(kind: str, target: str, args: list[str]) -> None:
         write_marker({"returned": code == 0, "exit_code": code})
         _finish(code)
     except BaseException as exc:  # noqa: BLE001 - any other escape is the script failing
+        import traceback  # only on failure: the import costs every launch otherwise
+
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         write_marker({"returned": False, "exit_code": code})
         traceback.print_exception(type(exc), exc, _user_traceback(exc), file=sys.stderr)
@@ -337,20 +356,56 @@ def run_script(kind: str, target: str, args: list[str]) -> None:
     _finish(0, keep_alive=script_globals)
 
 
+def run_code(code: str, args: list[str], hidden_files: tuple[str, ...] = ()) -> None:
+    """Run ``code`` as ``python -c CODE ARGS...`` would, in this process; never returns.
+
+    For a process forked from a warm interpreter (``torchrelay.agent.zygote``): the code runs
+    in a fresh ``__main__``; an exception prints its traceback (without the frames of this
+    module and of ``hidden_files``) and exits 1, ``SystemExit`` exits with its code; then the
+    same shutdown as a hosted script (threads, atexit, flush, gc, ``os._exit``). No marker is
+    written: a program's verdict is its exit code.
+    """
+    import builtins
+    import types
+
+    sys.argv = ["-c", *args]
+    sys.path[0] = ""  # as `python -c` sets it: the current directory
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    except SystemExit as exc:
+        code_ = exit_code_of(exc)
+        if code_ != 0 and exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        _finish(code_)
+    except BaseException as exc:  # noqa: BLE001 - any other escape is the program failing
+        import traceback
+
+        tb = exc.__traceback__
+        hidden = {os.path.abspath(__file__), *map(os.path.abspath, hidden_files)}
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in hidden:
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+        _finish(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    _finish(0, keep_alive=main)
+
+
 # ---------------------------------------------------------------- the supervisor
 
 
 def supervise(kind: str, target: str, args: list[str]) -> int:
     """Fork the script process, forward signals, copy its output, reap it, write the final
     marker. Returns the supervisor's exit code (``supervisor_exit_code``)."""
-    path = _marker_path()
+    path = marker_path()
     if path is not None:
         try:
             os.remove(path)  # a marker left by an earlier run must not speak for this one
         except FileNotFoundError:
             pass
-    log_path = _log_path()
-    pipes = (os.pipe(), os.pipe()) if log_path else ()
+    rank_log_path = log_path()
+    pipes = (os.pipe(), os.pipe()) if rank_log_path else ()
     sys.stdout.flush()
     sys.stderr.flush()
     child = os.fork()
@@ -377,37 +432,53 @@ def supervise(kind: str, target: str, args: list[str]) -> int:
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
-    rank_log = RankLog(log_path) if log_path else None
+    rank_log = RankLog(rank_log_path) if rank_log_path else None
     if rank_log is not None:
         for _, write_end in pipes:
             os.close(write_end)
-        status = _pump_until_exit(child, {pipes[0][0]: "o", pipes[1][0]: "e"}, rank_log)
+        status = pump_until_exit(child, {pipes[0][0]: "o", pipes[1][0]: "e"}, rank_log)
     else:
         _, status = os.waitpid(child, 0)
+    marker = conclude(child, status, exec_mode=(kind == "exec"), path=path, rank_log=rank_log,
+                      rank=os.environ.get("RANK", "?"))
+    return supervisor_exit_code(marker)
+
+
+def conclude(child: int, status: int, *, exec_mode: bool, path: str | None,
+             rank_log: RankLog | None, rank: object) -> dict:
+    """The supervisor's last step for a reaped script process: its final marker (from the
+    script's own marker at ``path`` and the wait ``status``), a note in the log when it died
+    after returning, the log closed (every line is in the file before the marker says the
+    rank ended), the marker written. Returns the marker. Never raises on I/O."""
     exit_code, sig = decode_wait_status(status)
-    marker = final_marker(read_marker(), exit_code, sig, exec_mode=(kind == "exec"))
+    marker = final_marker(read_marker(path), exit_code, sig, exec_mode=exec_mode)
     marker["pid"] = child
     marker["ended_at"] = time.time()
     if marker["returned"] and sig is not None:
-        note = (f"torchrelay worker: rank {os.environ.get('RANK', '?')} script returned; "
+        note = (f"torchrelay worker: rank {rank} script returned; "
                 f"process then died of signal {sig} during shutdown; counted as success")
         if rank_log is not None:
             rank_log.note(note)
         else:
             print(note, file=sys.stderr)
     if rank_log is not None:
-        rank_log.close()  # every line is in the file before the marker says the rank ended
-    write_marker(marker)
-    return supervisor_exit_code(marker)
+        rank_log.close()
+    write_marker(marker, path)
+    return marker
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    unsupervised = bool(argv) and argv[0] == "--no-supervisor"
     try:
-        kind, target, args = parse_target(argv)
+        kind, target, args = parse_target(argv[1:] if unsupervised else argv)
+        if unsupervised and kind == "exec":
+            raise UsageError("--no-supervisor runs a script or a module; the parent execs a program itself")
     except UsageError as exc:
         print(f"torchrelay worker: {exc}", file=sys.stderr)
         return 2
+    if unsupervised:
+        run_script(kind, target, args)  # never returns
     return supervise(kind, target, args)
 
 

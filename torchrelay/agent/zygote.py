@@ -1,0 +1,346 @@
+"""A warm interpreter that forks the agent's direct Python workers, instead of starting each.
+
+Why: a no-op job is mostly interpreter start-up. ``python -c pass`` in this environment costs
+about 25 ms of CPU (``site`` and the editable-install finder), the whole of what the platform
+may spend per job to finish 50 no-op jobs a second on two cores. A fork of an interpreter
+that already did that costs about 1.5 ms. This is what Android's zygote and
+``multiprocessing``'s forkserver do; neither fits as is (the forkserver runs a function of
+the parent's, not a program with its own environment, working directory, session and
+output pipes, and tells nobody how the child ended), hence this small one.
+
+Contract:
+- ``Zygote(python, env, log_path)`` does nothing until ``spawn``; the first ``spawn`` starts
+  ``python -m torchrelay.agent.zygote FD`` in a new session with ``env`` (restarted if it died).
+- ``Zygote.spawn(kind, target, args, env=, cwd=, stdout=, stderr=) -> pid`` (blocks until
+  forked; raises ``ZygoteError``): the child starts a new session (its pid is its process
+  group), gets ``env`` as ``os.environ``, ``cwd``, stdin from /dev/null and the two given
+  descriptors as stdout and stderr, then runs ``kind`` "code" (``python -c TARGET ARGS``,
+  see ``worker.run_code``), "script" or "module" (``worker.run_script``, the exit hook).
+- ``Zygote.wait_status(pid, block)`` is the child's wait status once it ended (the zygote
+  reaps it and reports it); None while it runs (``block`` false). If the zygote dies, its
+  children are killed and reported as SIGKILLed.
+- ``eligible(argv, env, python, zygote_env)`` (pure) says whether a direct launch may be
+  forked here instead of started: only the agent's own interpreter, only plain
+  ``python -c``, hosted scripts and modules, and only when every variable the interpreter
+  reads at start-up (``PYTHON*``, ``LANG``, ``LC_*``, ``TZ``) is the same as the zygote's.
+- What differs from a fresh interpreter, and why it is acceptable: the hash seed is the
+  zygote's (``PYTHONHASHSEED`` equal is required, so a job that pins it gets its value);
+  modules the zygote imported (the standard library's, ``torchrelay.agent.worker``) are
+  already in ``sys.modules``; ``/proc/PID/environ`` of the child itself shows the zygote's
+  start environment, so the agent tracks it by pid and process group (its children, which
+  exec, carry the job's). ``random`` reseeds itself after fork.
+- The zygote exits when the agent's end of its socket closes (the agent died or closed it),
+  and kills the sessions of the children still running first: nothing it forked outlives
+  the agent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+MAX_MESSAGE = 256 * 1024  # one request: an environment and a command line
+STARTUP_VARIABLES = ("LANG", "TZ")  # besides PYTHON* and LC_*: read when the interpreter starts
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not fork the worker (it is not running, or refused the request)."""
+
+
+def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` an interpreter reads when it starts (pure)."""
+    return {k: v for k, v in env.items()
+            if k.startswith(("PYTHON", "LC_")) or k in STARTUP_VARIABLES}
+
+
+def eligible(argv: Sequence[str], env: Mapping[str, str], *, python: str,
+             zygote_env: Mapping[str, str]) -> tuple[str, str, list[str]] | None:
+    """``(kind, target, args)`` for the zygote if the direct launch ``argv`` may be forked
+    from it, else None (pure). ``argv`` is what ``launcher.build_direct_command`` gives."""
+    from torchrelay.agent.launcher import WORKER_MODULE
+
+    if not argv or argv[0] != python:
+        return None
+    if startup_environment(env) != startup_environment(zygote_env):
+        return None
+    rest = list(argv[1:])
+    if len(rest) >= 2 and rest[0] == "-c":
+        return "code", rest[1], rest[2:]
+    if rest[:3] == ["-m", WORKER_MODULE, "--no-supervisor"] and len(rest) >= 4:
+        from torchrelay.agent import worker
+
+        try:
+            kind, target, args = worker.parse_target(rest[3:])
+        except worker.UsageError:
+            return None
+        return (kind, target, args) if kind in ("script", "module") else None
+    return None
+
+
+# ---------------------------------------------------------------- the agent's side
+
+
+class Zygote:
+    """The agent's handle on its zygote process. Thread-safe."""
+
+    def __init__(self, python: str = sys.executable, env: Mapping[str, str] | None = None,
+                 log_path: str | None = None):
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self.log_path = log_path
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._replies: dict[int, dict] = {}
+        self._statuses: dict[int, int] = {}
+        self._children: set[int] = set()
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _ensure_started(self) -> socket.socket:
+        """Called with ``_lock`` held."""
+        if self._closed:
+            raise ZygoteError("the zygote was closed")
+        if self._proc is not None and self._proc.poll() is None and self._sock is not None:
+            return self._sock
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+            try:
+                self._proc = subprocess.Popen(
+                    [self.python, "-m", "torchrelay.agent.zygote", str(theirs.fileno())],
+                    env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log, start_new_session=True)
+            finally:
+                if log is not subprocess.DEVNULL:
+                    log.close()
+        except OSError as exc:
+            ours.close()
+            raise ZygoteError(f"cannot start the zygote ({self.python}): {exc}") from exc
+        finally:
+            theirs.close()
+        self._sock = ours
+        threading.Thread(target=self._read_replies, args=(ours, self._proc), name="relay-zygote-reader",
+                         daemon=True).start()
+        return ours
+
+    def spawn(self, kind: str, target: str, args: Sequence[str], *, env: Mapping[str, str], cwd: str,
+              stdout: int, stderr: int, timeout: float = 30.0) -> int:
+        """Fork a worker; its pid. Blocks until forked. Raises ``ZygoteError``."""
+        with self._lock:
+            sock = self._ensure_started()
+            self._next_id += 1
+            request_id = self._next_id
+            body = json.dumps({"id": request_id, "kind": kind, "target": target, "args": list(args),
+                               "env": dict(env), "cwd": cwd}).encode()
+            if len(body) > MAX_MESSAGE:
+                raise ZygoteError(f"request of {len(body)} bytes is over {MAX_MESSAGE}")
+            try:
+                socket.send_fds(sock, [body], [stdout, stderr])
+            except OSError as exc:
+                raise ZygoteError(f"the zygote does not answer: {exc}") from exc
+            if not self._changed.wait_for(lambda: request_id in self._replies or self._sock is not sock,
+                                          timeout):
+                raise ZygoteError(f"the zygote did not fork within {timeout:g} s")
+            reply = self._replies.pop(request_id, None)
+        if reply is None:
+            raise ZygoteError("the zygote died before it forked the worker")
+        if "error" in reply:
+            raise ZygoteError(reply["error"])
+        return int(reply["pid"])
+
+    def wait_status(self, pid: int, block: bool) -> int | None:
+        """The wait status of a forked worker once it ended (None while it runs, unless
+        ``block``)."""
+        with self._lock:
+            if block:
+                self._changed.wait_for(lambda: pid in self._statuses)
+            return self._statuses.pop(pid, None) if pid in self._statuses else None
+
+    def _read_replies(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        while True:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message = json.loads(data)
+            with self._lock:
+                if "exited" in message:
+                    self._statuses[message["exited"]] = message["status"]
+                    self._children.discard(message["exited"])
+                else:
+                    if "pid" in message:
+                        self._children.add(message["pid"])
+                    self._replies[message["id"]] = message
+                self._changed.notify_all()
+        # The zygote is gone (it kills its children when it can; make sure, and say so).
+        with self._lock:
+            orphans, self._children = self._children, set()
+            if self._sock is sock:
+                self._sock = None
+            self._changed.notify_all()
+        for pid in orphans:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        with self._lock:
+            for pid in orphans:
+                self._statuses.setdefault(pid, signal.SIGKILL)  # a wait status: killed by SIGKILL
+            self._changed.notify_all()
+        sock.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the zygote (its running children are killed). Idempotent."""
+        with self._lock:
+            self._closed = True
+            sock, proc = self._sock, self._proc
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # EOF for the zygote: it ends
+            except OSError:
+                pass
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ---------------------------------------------------------------- the zygote's side
+
+
+def _child(request: dict, stdout: int, stderr: int, sock: socket.socket, wakeup: tuple[int, int]) -> None:
+    """In the forked child: become the worker; never returns."""
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        for fd in wakeup:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        for fd in {devnull, stdout, stderr} - {0, 1, 2}:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from torchrelay.agent import worker
+
+        kind, target, args = request["kind"], request["target"], request["args"]
+        if kind == "code":
+            worker.run_code(target, args, hidden_files=(__file__,))
+        if kind == "module":
+            sys.path[0] = os.getcwd()  # as `python -m` sets it
+        worker.run_script(kind, target, args)
+    except BaseException as exc:  # noqa: BLE001 - e.g. a working directory that is gone
+        try:
+            os.write(2, f"torchrelay zygote: cannot start {request.get('target')!r}: {exc}\n".encode())
+        finally:
+            os._exit(127)
+    os._exit(127)
+
+
+def serve(fd: int) -> None:
+    """The zygote's loop: fork on each request, report each child's end; returns when the
+    agent's end closes, after killing the sessions of the children still running."""
+    sock = socket.socket(fileno=fd)
+    read_wakeup, write_wakeup = os.pipe()
+    os.set_blocking(write_wakeup, False)
+    os.set_blocking(read_wakeup, False)
+    signal.set_wakeup_fd(write_wakeup)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+    children: set[int] = set()
+
+    def send(message: dict) -> bool:
+        try:
+            sock.send(json.dumps(message).encode())
+            return True
+        except OSError:  # the agent is gone
+            return False
+
+    agent_there = True
+    while agent_there:
+        ready, _, _ = select.select([sock, read_wakeup], [], [])
+        if read_wakeup in ready:
+            try:
+                os.read(read_wakeup, 4096)
+            except BlockingIOError:
+                pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if not pid:
+                break
+            children.discard(pid)
+            agent_there = send({"exited": pid, "status": status}) and agent_there
+        if sock not in ready or not agent_there:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            break
+        request = json.loads(data)
+        if len(fds) != 2:
+            agent_there = send({"id": request.get("id"), "error": f"{len(fds)} descriptors came, 2 needed"})
+            for extra in fds:
+                os.close(extra)
+            continue
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            agent_there = send({"id": request["id"], "error": f"fork failed: {exc}"})
+            pid = None
+        if pid == 0:
+            _child(request, fds[0], fds[1], sock, (read_wakeup, write_wakeup))
+        for received in fds:
+            os.close(received)
+        if pid:
+            children.add(pid)
+            agent_there = send({"id": request["id"], "pid": pid})
+    for pid in children:  # the agent is gone: nothing it started may outlive it
+        for kill in (os.killpg, os.kill):  # its session, and itself if it had none yet
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _preload() -> None:
+    """What every worker would import anyway, imported once here."""
+    import pkgutil  # noqa: F401  (runpy.run_path imports it, and typing with it)
+    import runpy  # noqa: F401
+    import types  # noqa: F401
+
+    from torchrelay.agent import worker  # noqa: F401
+
+
+if __name__ == "__main__":
+    _preload()
+    serve(int(sys.argv[1]))
+    os._exit(0)
