@@ -202,10 +202,12 @@ class Heartbeat(_Model):
 
 
 class LaunchAssignment(_Model):
-    """One torchrun launch of one job attempt on this node.
+    """One launch of one job attempt on this node: torchrun, or for a world of one (one node,
+    one worker) the worker started directly by the agent with the same RANK etc. variables.
 
     Environment the agent gives the workers (besides torchrun's own RANK etc.):
-    RELAY_JOB_ID, RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_JOB_STORE_PREFIX,
+    RELAY_JOB_ID, RELAY_LAUNCH_ID, RELAY_LAUNCH_DIR (together they identify the launch's
+    processes), RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_JOB_STORE_PREFIX,
     RELAY_METRICS_DIR, RELAY_STRATEGY (JSON), RELAY_CHECKPOINT (JSON), RELAY_ACCELERATOR
     (``gpu`` or ``cpu``: what the scheduler granted), RELAY_GPUS_PER_WORKER, RELAY_GPU_TYPE,
     and ``env``.

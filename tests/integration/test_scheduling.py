@@ -56,7 +56,7 @@ def test_mixed_queue_runs_in_policy_order(cluster_factory, tmp_path):
     cluster = cluster_factory(3, quotas_file=quotas, heartbeat_timeout_s=30, agent_options=[
         AgentOptions(cpus=2, memory="4GiB", labels={"zone": "a", "kind": "cpu"}),
         AgentOptions(cpus=2, memory="4GiB", labels={"zone": "b", "kind": "cpu"}),
-        AgentOptions(cpus=2, gpus=1, memory="4GiB", labels={"kind": "gpu"}),
+        AgentOptions(cpus=2, gpus=1, gpu_type="h100", memory="4GiB", labels={"kind": "gpu"}),
     ])
     release_blockers, release_capped = tmp_path / "release-blockers", tmp_path / "release-capped"
     noop = f"{shlex.quote(sys.executable)} -c pass"
@@ -67,6 +67,7 @@ def test_mixed_queue_runs_in_policy_order(cluster_factory, tmp_path):
     with RelayClient(cluster.address) as c:
         nodes = {n.name: n for n in c.nodes()}
         assert (nodes["agent-2"].gpus, nodes["agent-0"].labels) == (1, {"zone": "a", "kind": "cpu"})
+        assert (nodes["agent-2"].gpu_type, nodes["agent-0"].gpu_type) == ("h100", None)  # relay agent --gpu-type
         # one blocker per node, top priority and not preemptible, until the test says so
         blockers = [c.submit(job(f"blocker-{i}", "ops", wait_for_file(release_blockers), workers=2, labels=labels,
                                  priority=100, preemptible=False), upload=False)
@@ -79,7 +80,7 @@ def test_mixed_queue_runs_in_policy_order(cluster_factory, tmp_path):
                             labels={"kind": "cpu"}), upload=False)
         capped1 = c.submit(job("capped1", "capped", wait_for_file(release_capped), priority=5), upload=False)
         capped2 = c.submit(job("capped2", "capped", priority=5), upload=False)
-        gpu = c.submit(job("gpu", "u3", resources={"cpu": 1, "gpu": 1}), upload=False)
+        gpu = c.submit(job("gpu", "u3", resources={"cpu": 1, "gpu": 1, "gpu_type": "h100"}), upload=False)
         ids = [zone_b.id, gang.id, capped1.id, capped2.id, gpu.id]
         until(lambda: all(c.job(i).waiting_reason for i in ids), "waiting reasons", c, timeout=30)
         view = c.queue()

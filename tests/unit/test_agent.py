@@ -299,3 +299,18 @@ def test_agent_module_does_not_import_torch():
     code = "import sys, torchrelay.agent.daemon, torchrelay.agent.worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().lower()) is False
+
+
+@pytest.mark.parametrize("gpus, gpu_type, expected", [
+    (2, "h100", (2, "h100")),
+    (1, None, (1, None)),
+    (0, None, (0, None)),
+])
+def test_agent_offers_the_given_gpus_and_type(tmp_path, gpus, gpu_type, expected):
+    node = Agent("http://127.0.0.1:1", name="n", gpus=gpus, gpu_type=gpu_type, work_dir=tmp_path, zygote=False)
+    assert (node.gpus, node.gpu_type) == expected
+
+
+def test_agent_refuses_a_gpu_type_without_gpus(tmp_path):
+    with pytest.raises(ValueError, match=r"gpu_type 'h100'.*0 gpus.*--gpus N"):
+        Agent("http://127.0.0.1:1", name="n", gpus=0, gpu_type="h100", work_dir=tmp_path, zygote=False)

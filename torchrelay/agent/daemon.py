@@ -277,7 +277,7 @@ class Agent:
                  cpus: float | None = None, gpus: int | None = None, memory: int | None = None,
                  work_dir: Path, labels: dict[str, str] | None = None,
                  heartbeat_wait_s: float = 10.0, ship_interval_s: float = 0.3,
-                 stop_grace_s: float = 10.0, zygote: bool | None = None):
+                 stop_grace_s: float = 10.0, zygote: bool | None = None, gpu_type: str | None = None):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"address {address!r} is not a URL; give e.g. http://127.0.0.1:8765")
         if not name:
@@ -285,9 +285,14 @@ class Agent:
         self.address = address.rstrip("/")
         self.name = name
         self.host = host
-        detected_gpus, self.gpu_type = detect_gpus() if gpus is None else (gpus, None)
+        detected_gpus, detected_type = detect_gpus() if gpus is None else (gpus, None)
+        # an explicit gpu_type names the kind when detection cannot (no nvidia-smi) or to group nodes
+        self.gpu_type = gpu_type or detected_type
         self.cpus = detect_cpus() if cpus is None else float(cpus)
         self.gpus = detected_gpus
+        if gpu_type and not self.gpus:
+            raise ValueError(f"gpu_type {gpu_type!r} was given but this node offers 0 gpus; "
+                             "give --gpus N (N > 0) with --gpu-type, or drop --gpu-type")
         self.memory = detect_memory() if memory is None else int(memory)
         self.work_dir = Path(work_dir)
         self.labels = dict(labels or {})

@@ -46,6 +46,7 @@ class AgentOptions:
 
     cpus: float | None = None
     gpus: int | None = None
+    gpu_type: str | None = None  # e.g. "h100"; needs gpus > 0
     memory: str | None = None  # e.g. "4GiB"
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -55,6 +56,8 @@ class AgentOptions:
             out += ["--cpus", str(self.cpus)]
         if self.gpus is not None:
             out += ["--gpus", str(self.gpus)]
+        if self.gpu_type is not None:
+            out += ["--gpu-type", self.gpu_type]
         if self.memory is not None:
             out += ["--memory", str(self.memory)]
         for key, value in sorted(self.labels.items()):

@@ -17,6 +17,10 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
           host: str = typer.Option("127.0.0.1", help="address other nodes reach this node's workers at"),
           cpus: float = typer.Option(None, help="cpus to offer (default: all)"),
           gpus: int = typer.Option(None, help="gpus to offer (default: all found)"),
+          gpu_type: str = typer.Option(None, "--gpu-type",
+                                       help="the kind of this node's gpus, e.g. h100 (default: as nvidia-smi names them)"),
+          zygote: bool | None = typer.Option(None, "--zygote/--no-zygote",
+                                      help="fork one-process Python workers from a warm interpreter (default: on unless RELAY_AGENT_ZYGOTE=0)"),
           memory: str = typer.Option(None, help="memory to offer, e.g. 16GiB (default: all)"),
           work_dir: Path = typer.Option(None, help="bundle cache and launch folders (default: RELAY_HOME/agents/NAME)"),
           label: list[str] = typer.Option([], "--label", help="node label key=value (repeatable)")) -> None:
@@ -32,9 +36,12 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
         k, v = item.split("=", 1)
         labels[k] = v
     name = name or socket.gethostname()
-    node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus,
-                 memory=parse_memory(memory) if memory else None,
-                 work_dir=work_dir or relay_home() / "agents" / name, labels=labels)
+    try:
+        node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,
+                     memory=parse_memory(memory) if memory else None,
+                     work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote)
+    except ValueError as exc:
+        fail(str(exc))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
