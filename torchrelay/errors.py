@@ -53,9 +53,14 @@ class CheckpointCorrupt(StorageError):
     """A checkpoint failed verification (missing manifest, bad checksum, missing file)."""
 
 
+class StaleAttempt(Conflict):
+    """A worker of a job attempt the server has since replaced tried to change the job's
+    checkpoints (an orphan on a node that lost contact); nothing was written."""
+
+
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict,
                                             Unschedulable, ServerUnavailable, StorageError,
-                                            CheckpointCorrupt)}
+                                            CheckpointCorrupt, StaleAttempt)}
 
 
 def error_class(name: str) -> type[RelayError]:

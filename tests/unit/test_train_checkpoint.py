@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchrelay.train as rt
-from torchrelay.errors import CheckpointCorrupt, StorageError
+from torchrelay.errors import CheckpointCorrupt, StaleAttempt, StorageError
 from torchrelay.storage import ArtifactStore
 from torchrelay.train import checkpoint as ckpt
 from torchrelay.train import checkpoint_dcp
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.
 def _clean_env(monkeypatch, tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "RELAY_JOB_ID", "RELAY_STORE_URL", "RELAY_JOB_STORE_PREFIX", "RELAY_STRATEGY",
-                 "RELAY_CHECKPOINT", "RELAY_METRICS_DIR"):
+                 "RELAY_CHECKPOINT", "RELAY_METRICS_DIR", "RELAY_ATTEMPT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RELAY_OUTPUT_DIR", str(tmp_path / "out"))
     rt.shutdown()
@@ -402,6 +402,53 @@ def test_checkpoints_go_to_the_job_store_when_run_as_a_job(tmp_path, monkeypatch
     url = rt.save_checkpoint({"x": torch.zeros(2)}, 1)
     assert url == f"file://{store_dir}/jobs/j-42/checkpoints/step-0000000001"
     assert os.path.exists(store_dir / "jobs" / "j-42" / "checkpoints" / "step-0000000001" / MANIFEST)
+
+
+def _fence(store: ArtifactStore, job_id: str, attempt: int) -> None:
+    store.put_bytes(ArtifactStore.attempt_key(job_id), str(attempt).encode())
+
+
+@pytest.mark.parametrize("stale_step", [5, 10, 20])  # older, same and newer step than the new attempt's
+def test_a_replaced_attempt_cannot_overwrite_commit_or_prune_the_new_attempts_checkpoints(tmp_path, stale_step):
+    store = ArtifactStore(f"file://{tmp_path}")
+    _fence(store, "job1", 1)
+    old = CheckpointStore(store, "job1", keep=2, attempt=1)
+    old.save({"x": torch.ones(2)}, 5)
+    _fence(store, "job1", 2)  # the server placed attempt 2 (attempt 1's node lost contact)
+    new = CheckpointStore(store, "job1", keep=2, attempt=2)
+    new.save({"x": torch.ones(2) * 2}, 10)
+    with pytest.raises(StaleAttempt, match=r"step %d of job1.*attempt 1.*attempt 2" % stale_step):
+        old.save({"x": torch.ones(2) * -1}, stale_step)
+    assert new.latest_name() == "step-0000000010"
+    assert {step: ok for step, ok in new.folders().items() if ok} == {5: True, 10: True}
+    loaded = _load(new)
+    assert loaded.step == 10 and torch.equal(loaded.state["x"], torch.ones(2) * 2)
+
+
+def test_the_current_attempt_and_a_store_without_a_fence_save_as_usual(tmp_path):
+    store = ArtifactStore(f"file://{tmp_path}")
+    CheckpointStore(store, "job1", attempt=0).save({"x": torch.ones(1)}, 1)  # no fence written yet
+    _fence(store, "job1", 3)
+    CheckpointStore(store, "job1", attempt=3).save({"x": torch.ones(1)}, 2)
+    CheckpointStore(store, "job1").save({"x": torch.ones(1)}, 3)  # no attempt: not fenced
+    assert CheckpointStore(store, "job1").latest_name() == "step-0000000003"
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_job_worker_of_a_replaced_attempt_gets_stale_attempt(tmp_path, monkeypatch, async_):
+    store_dir = tmp_path / "cluster-store"
+    monkeypatch.setenv("RELAY_STORE_URL", f"file://{store_dir}")
+    monkeypatch.setenv("RELAY_JOB_ID", "j-7")
+    monkeypatch.setenv("RELAY_JOB_STORE_PREFIX", "jobs/j-7")
+    monkeypatch.setenv("RELAY_ATTEMPT", "1")
+    _fence(ArtifactStore(f"file://{store_dir}"), "j-7", 1)
+    rt.save_checkpoint({"x": torch.zeros(2)}, 1, async_=async_)
+    rt.wait_for_checkpoint()
+    _fence(ArtifactStore(f"file://{store_dir}"), "j-7", 2)
+    with pytest.raises(StaleAttempt, match="attempt 1"):
+        rt.save_checkpoint({"x": torch.ones(2)}, 2, async_=async_)
+        rt.wait_for_checkpoint()
+    assert (store_dir / "jobs" / "j-7" / "checkpoints" / LATEST).read_text() == "step-0000000001"
 
 
 # ---------------------------------------------------------------- async

@@ -5,6 +5,8 @@ Layout under the store root (a local directory, ``s3://bucket/prefix``, ``hdfs:/
     bundles/<sha256>.tar.gz                 code bundles, content addressed
     jobs/<job_id>/artifacts/<path>          files a job saved (models, results)
     jobs/<job_id>/checkpoints/<name>/...    checkpoints (see torchrelay.train.checkpoint)
+    jobs/<job_id>/ATTEMPT                   the job's current attempt, written by the server when
+                                            it places one: the fence checkpoint commits check
 
 Contract: writes of whole files go to a temporary name and are renamed into place, so a
 reader never sees half a file; every method raises ``StorageError`` naming the path and the
@@ -57,6 +59,10 @@ class ArtifactStore:
     @classmethod
     def artifact_key(cls, job_id: str, path: str) -> str:
         return f"{cls.job_prefix(job_id)}/artifacts/{validate_relative_path(path)}"
+
+    @classmethod
+    def attempt_key(cls, job_id: str) -> str:
+        return f"{cls.job_prefix(job_id)}/ATTEMPT"
 
     @classmethod
     def checkpoint_prefix(cls, job_id: str) -> str:

@@ -29,6 +29,13 @@ Contract:
   once per rank and loaded back by its own rank; a checkpoint holding such replicas refuses a
   job with another world size (``InvalidSpec``). See checkpoint_replicas. Under the
   ``parameter_server`` strategy server ranks never join, so worker rank 0 writes alone.
+- Fencing: a store made with ``attempt=N`` reads ``ArtifactStore.attempt_key(job)`` (the
+  server writes the job's current attempt there when it places one) before it clears a step's
+  folder and again just before it commits; when that names a newer attempt it raises
+  ``StaleAttempt`` and changes nothing, so the workers of a replaced attempt (orphans on a node
+  that lost contact) cannot overwrite, commit or prune the new attempt's checkpoints. The check
+  and the commit are two store operations, so this narrows the window to one manifest write
+  rather than closing it (an atomic fence needs a conditional put, which fsspec does not offer).
 - Async (``async_=True`` or the policy's ``async``): the call returns once a background thread
   has started copying the state; writing and committing happen behind training. At most one
   save is in flight: the next save (or ``wait_for_checkpoint()``) waits for it and raises its
@@ -57,7 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from torchrelay.errors import CheckpointCorrupt, NotFound, StorageError
+from torchrelay.errors import CheckpointCorrupt, NotFound, StaleAttempt, StorageError
 from torchrelay.storage import ArtifactStore, validate_relative_path
 from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
 from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
@@ -213,10 +220,13 @@ class CheckpointStore:
     """The checkpoints of one job in an ``ArtifactStore``. One writer (job) at a time."""
 
     def __init__(self, store: ArtifactStore, job_id: str, keep: int = 3,
-                 clock: Callable[[], float] = time.time, threads: int = DEFAULT_THREADS):
+                 clock: Callable[[], float] = time.time, threads: int = DEFAULT_THREADS,
+                 attempt: int | None = None):
         if keep < 1:
             raise ValueError(f"keep={keep!r} must be >= 1")
         self.store = store
+        self.job_id = job_id
+        self.attempt = attempt
         self.prefix = ArtifactStore.checkpoint_prefix(job_id)
         self.keep = keep
         self.clock = clock
@@ -252,9 +262,11 @@ class CheckpointStore:
         name = step_dirname(step)
 
         def start() -> None:
+            self.check_fence(step)
             self.store.delete_prefix(self.key(name))  # uncommit and drop what an older attempt left
 
         def commit(entries: dict[str, dict[str, Any]]) -> None:
+            self.check_fence(step)
             self.store.put_bytes(self.key(name, MANIFEST), build_manifest(step, entries, self.clock()))
             self.store.put_bytes(self.key(LATEST), name.encode())
             self._prune(step)
@@ -278,7 +290,25 @@ class CheckpointStore:
             raise self._save_failed(step, exc) from None
         return self.url(step_dirname(step))
 
-    def _save_failed(self, step: int, exc: CheckpointException) -> StorageError:
+    def check_fence(self, step: int) -> None:
+        """Raise ``StaleAttempt`` if the server has placed a newer attempt than this store's.
+
+        No-op without an attempt or a fence. A fence that cannot be read raises ``StorageError``."""
+        if self.attempt is None:
+            return
+        try:
+            current = self.store.get_bytes(ArtifactStore.attempt_key(self.job_id)).decode().strip()
+        except NotFound:
+            return
+        if current.isdigit() and int(current) > self.attempt:
+            raise StaleAttempt(f"checkpoint of step {step} of {self.job_id} was not written: this worker belongs "
+                               f"to attempt {self.attempt}, and the server has placed attempt {current} since "
+                               "(this node lost contact and its workers were replaced)")
+
+    def _save_failed(self, step: int, exc: CheckpointException) -> StorageError | StaleAttempt:
+        stale = [error for error, _trace in exc.failures.values() if isinstance(error, StaleAttempt)]
+        if stale:  # leave the new attempt's files alone
+            return stale[0]
         message, _ = _failure_message(exc)
         name = step_dirname(step)
         try:  # free the space a failed save took (a full disk is the usual cause)
@@ -414,7 +444,8 @@ def job_checkpoints() -> CheckpointStore:
     from torchrelay.train.context import current_context
 
     store, job_id = job_store()
-    return CheckpointStore(store, job_id, keep=current_context().checkpoint.keep)
+    ctx = current_context()
+    return CheckpointStore(store, job_id, keep=ctx.checkpoint.keep, attempt=ctx.attempt)
 
 
 def _save_group() -> tuple[bool, Any]:
