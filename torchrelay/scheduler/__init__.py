@@ -8,6 +8,7 @@ a restart) each job in ``preemptions``, show ``waiting`` reasons and ``estimated
 The policy (priorities, fair share, quotas, gang placement, EASY backfill, preemption,
 heterogeneous requests) is stated in ``policy``'s contract and in docs/scheduling.md. Modules:
 ``cluster`` (arrays, request alternatives, input checks), ``placement`` (where a gang goes),
+``fitindex`` (per-node capacities kept up to date, so fit checks scan no nodes),
 ``fairshare`` (accounting, quotas, order), ``backfill`` (reservation, estimates),
 ``preemption`` (victims), ``policy`` (the cycle), ``fifo`` (the first-cut baseline),
 ``simulate`` (an event-driven trace simulator for tests and the benchmark).

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchrelay.scheduler.cluster import Alternative, Cluster
-from torchrelay.scheduler.placement import Choice, place_best, use_of
+from torchrelay.scheduler.fitindex import FitIndex
+from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
 from torchrelay.scheduler.types import QueuedJob
 
 Tiers = tuple[tuple[Alternative, ...], ...]
@@ -85,26 +86,26 @@ def reserve(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray, ho
         order_use = np.concatenate([h.use for h in ending])
         rows = np.cumsum([0] + [len(h.nodes) for h in ending])
 
-    def attempt(group: int) -> tuple[np.ndarray, Choice | None]:
+    def attempt(group: int) -> tuple[np.ndarray, bool]:
         stop = rows[cuts[group]]
         avail = free + np.stack([np.bincount(order_nodes[:stop], weights=order_use[:stop, d], minlength=len(free))
                                  for d in range(3)], axis=1)
-        return avail, place_best(cluster, tiers, job, avail, ready)
+        return avail, feasible(cluster, tiers, job, avail, ready)
 
     found: tuple[float, np.ndarray, Choice] | None = None
     if times:
-        avail, choice = attempt(len(times) - 1)
-        if choice is not None:  # feasibility only grows with time: bisect for the earliest group
+        avail, fits = attempt(len(times) - 1)
+        if fits:  # feasibility only grows with time: bisect for the earliest group
             low, high = 0, len(times) - 1
-            best = (avail, choice)
+            best = avail
             while low < high:
                 mid = (low + high) // 2
-                avail_mid, choice_mid = attempt(mid)
-                if choice_mid is not None:
-                    high, best = mid, (avail_mid, choice_mid)
+                avail_mid, fits_mid = attempt(mid)
+                if fits_mid:
+                    high, best = mid, avail_mid
                 else:
                     low = mid + 1
-            found = (times[low], *best)
+            found = (times[low], best, place_best(cluster, tiers, job, best, ready))
     if found is None:
         avail = _released(free, holdings)
         choice = place_best(cluster, tiers, job, avail, ready)
@@ -128,26 +129,29 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
     events = [(h.end, h.job_id, h.nodes, h.use, h.total) for h in holdings if h.end < math.inf]
     heapq.heapify(events)
     avail = free.copy()
+    index = FitIndex(cluster, avail, ready)  # exact fit checks; a placement is chosen only once one fits
     clock = now
     out: dict[str, float] = {}
+    bounds: dict[tuple, list[float]] = {}
     for job, tiers in waiting:
-        masks = [cluster.eligible(alt, job.labels) & ready for tier in tiers for alt in tier]
-        union = np.logical_or.reduce(masks)
-        smallest = np.min([np.asarray(alt.need) * job.workers for tier in tiers for alt in tier], axis=0) - 1e-6
+        smallest = bounds.get((tiers, job.workers))
+        if smallest is None:  # the least any alternative takes in all (less a float tolerance)
+            smallest = bounds[(tiers, job.workers)] = [
+                min(alt.need[d] * job.workers for tier in tiers for alt in tier) - 1e-6 for d in range(3)]
         everywhere = avail.sum(axis=0).tolist()  # free on all nodes: bounds free on the eligible ones
         pending: list[tuple[np.ndarray, np.ndarray]] = []
         while True:
-            if all(everywhere[d] >= smallest[d] for d in range(3)):
+            if everywhere[0] >= smallest[0] and everywhere[1] >= smallest[1] and everywhere[2] >= smallest[2]:
                 if pending:  # apply the released resources in one go
                     nodes = np.concatenate([n for n, _ in pending])
                     use = np.concatenate([u for _, u in pending])
                     avail += np.stack([np.bincount(nodes, weights=use[:, d], minlength=len(avail))
                                        for d in range(3)], axis=1)
+                    index.touch(np.unique(nodes).tolist())
                     pending.clear()
-                if np.all(avail[union].sum(axis=0) >= smallest):
-                    choice = place_best(cluster, tiers, job, avail, ready)
-                    if choice is not None:
-                        break
+                if index.fits(tiers, job):
+                    choice = place_best(cluster, tiers, job, avail, ready, index)
+                    break
             if not events:
                 return out
             clock = max(clock, events[0][0])
@@ -158,6 +162,7 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
         out[job.job_id] = clock
         nodes, use = use_of(choice)
         np.subtract.at(avail, nodes, use)
+        index.touch(nodes.tolist())
         if job.max_runtime_s is not None:
             heapq.heappush(events, (clock + job.max_runtime_s, job.job_id, nodes, use, use.sum(axis=0).tolist()))
     return out

@@ -12,7 +12,7 @@ Contract:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -29,10 +29,13 @@ class Alternative:
 
     shape: WorkerShape  # as granted: gpu_type is the node type the gang runs on, gpu may be 0
     need: tuple[float, float, float]  # per worker: cpus, gpus, memory
+    # (runs on GPUs?, which type): which nodes may take it; derived from ``shape``, kept as a
+    # field because fit checks ask for it thousands of times a cycle
+    gpu_key: tuple[bool, str | None] = field(init=False, compare=False, repr=False)
 
-    @property
-    def gpu_key(self) -> tuple[bool, str | None]:
-        return (self.shape.gpu > 0, self.shape.gpu_type if self.shape.gpu > 0 else None)
+    def __post_init__(self) -> None:
+        gpu = self.shape.gpu > 0
+        object.__setattr__(self, "gpu_key", (gpu, self.shape.gpu_type if gpu else None))
 
 
 class Cluster:
@@ -48,6 +51,8 @@ class Cluster:
         self.has_gpu = self.total[:, GPU] > 0
         self.gpu_types = sorted({n.gpu_type for n in ordered if n.gpus > 0}, key=lambda t: (t is not None, t or ""))
         self._labels = [dict(n.labels) for n in ordered]
+        self._label_columns: dict[str, np.ndarray] = {}  # label key -> each node's value (or None)
+        self._gpu_type_column = np.array([n.gpu_type for n in ordered], dtype=object).reshape(-1)
         self._masks: dict[tuple, np.ndarray] = {}
         # dims a node has at all, for the fragmentation score (avoid dividing by zero)
         self.inv_total = np.where(self.total > 0, 1.0 / np.where(self.total > 0, self.total, 1.0), 0.0)
@@ -61,13 +66,22 @@ class Cluster:
         mask = self._masks.get(key)
         if mask is None:
             wants_gpu, gpu_type = alt.gpu_key
-            wanted = dict(labels)
-            mask = np.array([
-                (not wants_gpu or (node.gpus > 0 and node.gpu_type == gpu_type))
-                and all(self._labels[i].get(k) == v for k, v in wanted.items())
-                for i, node in enumerate(self.nodes)], dtype=bool).reshape(-1)
+            mask = np.ones(len(self.ids), dtype=bool)
+            if wants_gpu:
+                mask &= self.has_gpu & _equal(self._gpu_type_column, gpu_type)
+            for k, v in dict(labels).items():
+                column = self._label_columns.get(k)
+                if column is None:
+                    column = np.array([node_labels.get(k) for node_labels in self._labels], dtype=object).reshape(-1)
+                    self._label_columns[k] = column
+                mask &= _equal(column, v)
             self._masks[key] = mask
         return mask
+
+
+def _equal(column: np.ndarray, value: object) -> np.ndarray:
+    """Element-wise ``==`` of an object column with one value (None included), as a bool array."""
+    return np.fromiter((x == value for x in column.tolist()), dtype=bool, count=len(column))
 
 
 def usage(shape: WorkerShape, workers: int) -> np.ndarray:
@@ -97,6 +111,12 @@ def alternatives(job: QueuedJob, cluster: Cluster) -> tuple[tuple[Alternative, .
 
 def check_input(inp: SchedulerInput) -> None:
     """Raise ``InvalidSpec`` naming the first duplicated id or malformed node: input no cycle can use."""
+    node_ids = {node.id for node in inp.nodes}
+    job_ids = {a.job_id for a in inp.running} | {j.job_id for j in inp.queue}
+    malformed = any(node.cpus < 0 or node.gpus < 0 or node.memory < 0 for node in inp.nodes)
+    if (len(node_ids) == len(inp.nodes) and len(job_ids) == len(inp.running) + len(inp.queue)
+            and not malformed and inp.estimate_limit >= 0):
+        return  # the usual case, checked in bulk; the loops below name the first problem
     seen_nodes: set[str] = set()
     for node in inp.nodes:
         if node.id in seen_nodes:
@@ -118,6 +138,11 @@ def job_problem(job: QueuedJob) -> str | None:
     """Why ``job`` is malformed (a sentence naming the value), or None. The server may call it
     at submission; ``schedule`` reports such a job as waiting "unschedulable" instead of failing
     the whole cycle."""
+    return gang_problem(job) or runtime_problem(job)
+
+
+def gang_problem(job: QueuedJob) -> str | None:
+    """The part of ``job_problem`` about the shape and the gang (what a job kind shares)."""
     shape = job.shape
     if shape.accelerator not in ACCELERATOR_MODES:
         return f"accelerator={shape.accelerator!r}; use one of {', '.join(ACCELERATOR_MODES)}"
@@ -134,7 +159,7 @@ def job_problem(job: QueuedJob) -> str | None:
                                   or job.nodes * job.workers_per_node != job.workers):
         return (f"nodes × workers_per_node = {job.nodes} × {job.workers_per_node} does not equal "
                 f"workers={job.workers}")
-    return runtime_problem(job)
+    return None
 
 
 def runtime_problem(job: QueuedJob) -> str | None:

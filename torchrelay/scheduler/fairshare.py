@@ -45,6 +45,22 @@ class Accounts:
         inv = self._inv
         self._share[user] = max(used[0] * inv[0], used[1] * inv[1], used[2] * inv[2])
 
+    def charge_many(self, charges) -> None:
+        """``charge(user, amount)`` for each (user, amount) of ``charges``, in order (the same sums
+        to the last bit), computing each user's share once."""
+        used_of, jobs_of = self._used, self._jobs
+        for user, amount in charges:
+            used = used_of.get(user)
+            if used is None:
+                used = used_of[user] = [0.0, 0.0, 0.0]
+            used[0] += amount[0]
+            used[1] += amount[1]
+            used[2] += amount[2]
+            jobs_of[user] = jobs_of.get(user, 0) + 1
+        inv = self._inv
+        for user, used in used_of.items():
+            self._share[user] = max(used[0] * inv[0], used[1] * inv[1], used[2] * inv[2])
+
     def used(self, user: str) -> tuple[float, float, float, int]:
         cpus, gpus, memory = self._used.get(user, (0.0, 0.0, 0.0))
         return cpus, gpus, memory, self._jobs.get(user, 0)

@@ -51,10 +51,13 @@ def capacity(avail: np.ndarray, need: tuple[float, float, float], mask: np.ndarr
 def _scores(cluster: Cluster, avail: np.ndarray, need: np.ndarray, nodes: np.ndarray,
             workers: np.ndarray | int) -> np.ndarray:
     """Fragmentation score of putting ``workers`` on each of ``nodes`` (lower is better)."""
-    left = avail[nodes] - np.multiply.outer(np.broadcast_to(workers, nodes.shape), need)
-    score = (np.clip(left, 0, None) * cluster.inv_total[nodes]).sum(axis=1)
+    # in place on one temporary: this runs once or twice per placement over many nodes
+    left = avail[nodes] - (np.multiply.outer(workers, need) if isinstance(workers, np.ndarray) else workers * need)
+    np.maximum(left, 0.0, out=left)
+    left *= cluster.inv_total[nodes]
+    score = left.sum(axis=1)
     if need[GPU] == 0:
-        score = score + _GPU_NODE_PENALTY * cluster.has_gpu[nodes]
+        score += _GPU_NODE_PENALTY * cluster.has_gpu[nodes]
     return score
 
 
@@ -63,10 +66,11 @@ def _best(nodes: np.ndarray, scores: np.ndarray) -> int:
 
 
 def place(cluster: Cluster, alt: Alternative, job: QueuedJob, avail: np.ndarray,
-          mask: np.ndarray) -> tuple[tuple[tuple[int, int], ...], float] | None:
-    """(placement, score) for all of ``job``'s workers as ``alt``, or None (see module contract)."""
+          mask: np.ndarray | None, cap: np.ndarray | None = None) -> tuple[tuple[tuple[int, int], ...], float] | None:
+    """(placement, score) for all of ``job``'s workers as ``alt``, or None (see module contract).
+    ``cap``, when given, is ``capacity(avail, alt.need, mask)`` already known (it is not changed)."""
     need = np.asarray(alt.need, dtype=np.float64)
-    cap = capacity(avail, alt.need, mask)
+    cap = capacity(avail, alt.need, mask) if cap is None else cap.copy()
     if job.workers_per_node:
         per_node, count = job.workers_per_node, job.nodes or 1
         cand = np.flatnonzero(cap >= per_node)
@@ -84,8 +88,8 @@ def place(cluster: Cluster, alt: Alternative, job: QueuedJob, avail: np.ndarray,
     whole = cand[cap[cand] >= workers]
     if whole.size:
         scores = _scores(cluster, avail, need, whole, workers)
-        best = _best(whole, scores)
-        return ((best, workers),), float(scores.min())
+        best = int(np.argmin(scores))  # the first minimum: ``whole`` is in node order, so the lowest node
+        return ((int(whole[best]), workers),), float(scores[best])
     # Fewest nodes: the largest capacities first; the last node is the best fit for what is left.
     full_scores = _scores(cluster, avail, need, cand, cap[cand])
     order = cand[np.lexsort((cand, full_scores, -cap[cand]))]
@@ -103,13 +107,19 @@ def place(cluster: Cluster, alt: Alternative, job: QueuedJob, avail: np.ndarray,
 
 
 def place_best(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
-               avail: np.ndarray, ready: np.ndarray) -> Choice | None:
-    """The preferred placement over ``tiers`` on nodes in ``ready`` (see module contract)."""
+               avail: np.ndarray, ready: np.ndarray, index=None, override=None) -> Choice | None:
+    """The preferred placement over ``tiers`` on nodes in ``ready`` (see module contract).
+    ``index`` (a ``fitindex.FitIndex`` over ``avail`` and ``ready``, with ``override`` rows where
+    ``avail`` departs from it) skips the alternatives that cannot fit and the capacity pass."""
     for tier in tiers:
         best: tuple | None = None
         for rank, alt in enumerate(tier):
-            mask = cluster.eligible(alt, job.labels) & ready
-            found = place(cluster, alt, job, avail, mask)
+            if index is not None:
+                if not index.fits(((alt,),), job, override):
+                    continue
+                found = place(cluster, alt, job, avail, None, index.caps(alt, job.labels, override))
+            else:
+                found = place(cluster, alt, job, avail, cluster.eligible(alt, job.labels) & ready)
             if found is None:
                 continue
             placement, score = found

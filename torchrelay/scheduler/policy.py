@@ -23,18 +23,27 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
 - ``Decisions.estimated_start``: for the first ``estimate_limit`` waiting jobs (in order) whose
   start can be known from declared max runtimes.
 - Same input (in any order of its tuples) gives the same decisions.
+
+Cost (a cycle over 10,000 queued jobs must stay well under 100 ms): jobs of one kind (shape,
+gang form, labels) share what can be computed once; a gang size that did not fit is not tried
+again for larger gangs of the same family; "does it fit?" is answered by ``fitindex`` without
+a scan of the nodes; and once a job meets a reason that holds for the rest of the cycle
+("priority", "resources"), later jobs alike in all it depends on (kind, whether it ends before
+the reservation, priority where it may preempt; users without a quota) get it by one lookup.
+None of these changes a decision: they skip work whose answer is already known.
 """
 from __future__ import annotations
 
+import gc
 import math
-from dataclasses import replace
 
 import numpy as np
 
 from torchrelay.scheduler.backfill import Holding, Reservation, Tiers, estimate_starts, reserve
-from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, job_problem, runtime_problem,
-                                          usage)
+from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, gang_problem, job_problem,
+                                          runtime_problem, usage)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
+from torchrelay.scheduler.fitindex import FitIndex
 from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.types import Decisions, Placement, QueuedJob, SchedulerInput
@@ -68,13 +77,13 @@ class _Kind:
     """What every job of one kind (shape, gang form, labels) shares in a cycle, computed once;
     the parts only some jobs need are computed on first use."""
 
-    __slots__ = ("index", "job", "problem", "tiers", "ever", "initially", "size", "_description",
+    __slots__ = ("family", "job", "problem", "tiers", "ever", "initially", "size", "_description",
                  "_one_worker", "_demands")
 
-    def __init__(self, index: int, job: QueuedJob, cycle: "_Cycle") -> None:
-        self.index = index
+    def __init__(self, family: int, job: QueuedJob, cycle: "_Cycle") -> None:
+        self.family = family
         self.job = job
-        self.problem = job_problem(replace(job, max_runtime_s=None))  # the runtime is checked per job
+        self.problem = gang_problem(job)  # the runtime is checked per job
         self.size = job.nodes if job.workers_per_node else job.workers
         self._description = self._one_worker = self._demands = None
         self.initially: bool | None = None
@@ -120,41 +129,57 @@ class _Cycle:
         self.free = cluster.total.copy()
         index = cluster.index
         allocs = sorted(inp.running, key=lambda a: a.job_id)
-        rows_nodes, rows_use, bounds = [], [], [0]
+        # one pass over thousands of running jobs: plain lists first, numpy arrays once
+        rows_nodes, rows_use, spans = [], [], []
+        add_node, add_use, node_of = rows_nodes.append, rows_use.append, index.get
         for alloc in allocs:
             shape = alloc.shape
-            for node_id, workers in alloc.placement:
-                if node_id in index:
-                    rows_nodes.append(index[node_id])
-                    rows_use.append((shape.cpu * workers, shape.gpu * workers, shape.memory * workers))
-            bounds.append(len(rows_nodes))
+            cpu, gpu, memory = shape.cpu, shape.gpu, shape.memory
+            low, workers = len(rows_nodes), 0
+            for node_id, count in alloc.placement:
+                workers += count
+                node = node_of(node_id)
+                if node is not None:
+                    add_node(node)
+                    add_use((cpu * count, gpu * count, memory * count))
+            spans.append((low, len(rows_nodes), (float(cpu * workers), float(gpu * workers), float(memory * workers))))
         all_nodes = np.array(rows_nodes, dtype=np.int64)
         all_use = np.array(rows_use, dtype=np.float64).reshape(-1, 3)
-        for k, alloc in enumerate(allocs):
-            shape = alloc.shape
-            workers = sum(w for _, w in alloc.placement)
-            total = (float(shape.cpu * workers), float(shape.gpu * workers), float(shape.memory * workers))
-            end = alloc.started_at + alloc.max_runtime_s if alloc.max_runtime_s is not None else math.inf
-            low, high = bounds[k], bounds[k + 1]
-            self.holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
-                                                  alloc.preempting, alloc.started_at, end, all_nodes[low:high],
-                                                  all_use[low:high], total)
-            self.accounts.charge(alloc.user, total)
+        holdings, inf = self.holdings, math.inf
+        for alloc, (low, high, total) in zip(allocs, spans):
+            runtime = alloc.max_runtime_s
+            holdings[alloc.job_id] = Holding(alloc.job_id, alloc.user, alloc.priority, alloc.preemptible,
+                                             alloc.preempting, alloc.started_at,
+                                             alloc.started_at + runtime if runtime is not None else inf,
+                                             all_nodes[low:high], all_use[low:high], total)
+        self.accounts.charge_many((alloc.user, span[2]) for alloc, span in zip(allocs, spans))
         self.free -= _per_node(all_nodes, all_use, len(cluster))
         self.initial_free = self.free.copy()
+        # fit checks against the free resources (changing), those at the start of the cycle and
+        # the empty cluster (both fixed): see ``fitindex``
+        self.free_index = FitIndex(cluster, self.free, self.ready)
+        self.initial_index = FitIndex(cluster, self.initial_free, self.ready)
+        self.empty_index = FitIndex(cluster, cluster.total, np.ones(len(cluster), dtype=bool))
+        self._long_rows: tuple[int, Reservation, dict[int, list[float]]] | None = None
         self.victims = VictimPool(list(self.holdings.values()), len(cluster))
+        self.lowest_victim_priority = self.victims.lowest_priority  # fixed for the cycle
         self.memo = _FitMemo()
         self.kinds: dict[tuple, _Kind] = {}
+        self.families: dict[tuple, int] = {}
         self.tiers_by_shape: dict[object, Tiers] = {}
         self.ever_bounds: dict[tuple, tuple[float, float]] = {}
         # waiting reasons by job kind, valid while ``version`` (bumped by every commit) is unchanged
         self.outcomes: dict[tuple, tuple[int, str]] = {}
+        # (kind key, short, priority when it may preempt) -> (reason, tiers) for jobs of users
+        # without a quota whose outcome holds for the rest of the cycle
+        self.settled: dict[tuple, tuple[str, Tiers]] = {}
         self.version = 0
         self.reservation: Reservation | None = None
         self.placements: list[Placement] = []
         self.preemptions: list[str] = []
         self.waiting: dict[str, str] = {}
         self.order: list[str] = []
+        self.considered: list[QueuedJob] = []  # the jobs of ``order``
         self.tiers_of: dict[str, Tiers] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -175,31 +200,53 @@ class _Cycle:
             return True
         if size >= fails_from:
             return False
-        everywhere = np.ones(len(self.cluster), dtype=bool)
-        ok = feasible(self.cluster, tiers, job, self.cluster.total, everywhere)
+        ok = self.empty_index.fits(tiers, job)
         self.ever_bounds[key] = (max(fits_up_to, size), fails_from) if ok else (fits_up_to, min(fails_from, size))
         return ok
 
-    def kind(self, job: QueuedJob) -> _Kind:
-        key = (job.shape, job.workers, job.workers_per_node, job.nodes, job.labels)
+    def kind(self, job: QueuedJob, key: tuple | None = None) -> _Kind:
+        """The job's kind; ``key`` is ``_kind_key(job)`` when the caller has it."""
+        if key is None:
+            key = _kind_key(job)
         found = self.kinds.get(key)
         if found is None:
-            found = self.kinds[key] = _Kind(len(self.kinds), job, self)
+            # kinds differing only in their gang size (workers, or nodes of workers_per_node) form
+            # a family: the fit memo and the outcomes are kept per family and size
+            family = self.families.setdefault(key[:5] + (job.workers_per_node, key[8]), len(self.families))
+            found = self.kinds[key] = _Kind(family, job, self)
         return found
 
-    def try_place(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, avail: np.ndarray) -> Choice | None:
+    def long_rows(self) -> dict[int, list[float]]:
+        """The rows of the backfill view ``min(free, reservation.extra)`` where it departs from
+        ``free``: only on the reserved job's nodes (``extra`` is inf elsewhere)."""
+        reservation = self.reservation
+        cached = self._long_rows
+        if cached is None or cached[0] != self.version or cached[1] is not reservation:
+            nodes = sorted({i for i, _ in reservation.choice.placement})
+            rows = np.minimum(self.free[nodes], reservation.extra[nodes]).tolist()
+            cached = self._long_rows = (self.version, reservation, dict(zip(nodes, rows)))
+        return cached[2]
+
+    def try_place(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, long: bool) -> Choice | None:
+        """The placement of ``job`` in the free resources, or with ``long`` in what the
+        reservation leaves (``min(free, extra)``); None (remembered in the memo) when none."""
         if self.memo.known_fail(key, size):
             return None
-        choice = place_best(self.cluster, tiers, job, avail, self.ready)
-        if choice is None:
+        override = self.long_rows() if long else None
+        if not self.free_index.fits(tiers, job, override):
+            self.memo.record_fail(key, size)
+            return None
+        avail = np.minimum(self.free, self.reservation.extra) if long else self.free
+        choice = place_best(self.cluster, tiers, job, avail, self.ready, self.free_index, override)
+        if choice is None:  # cannot happen: the index said it fits
             self.memo.record_fail(key, size)
         return choice
 
-    def fits(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, avail: np.ndarray) -> bool:
-        """Like ``try_place`` for a yes/no answer only (no placement is chosen)."""
+    def fits(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int) -> bool:
+        """Like ``try_place`` in the free resources, for a yes/no answer only."""
         if self.memo.known_fail(key, size):
             return False
-        if feasible(self.cluster, tiers, job, avail, self.ready):
+        if self.free_index.fits(tiers, job):
             return True
         self.memo.record_fail(key, size)
         return False
@@ -223,6 +270,7 @@ class _Cycle:
         nodes, use = use_of(choice)
         if consume:
             np.subtract.at(self.free, nodes, use)
+            self.free_index.touch(nodes)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
         total = tuple(usage(choice.alt.shape, job.workers).tolist())
@@ -239,6 +287,7 @@ class _Cycle:
     def run(self) -> Decisions:
         for job in fair_order(tuple(self.inp.queue), self.accounts):
             self.order.append(job.job_id)
+            self.considered.append(job)
             reason = self.consider(job)
             if reason is not None:
                 self.waiting[job.job_id] = reason
@@ -248,38 +297,51 @@ class _Cycle:
 
     def consider(self, job: QueuedJob) -> str | None:
         """Place, grant (by preemption), reserve or explain ``job``; returns its waiting reason."""
-        kind = self.kind(job)
-        problem = kind.problem or (runtime_problem(job) if job.max_runtime_s is not None else None)
+        runtime = job.max_runtime_s
+        reservation = self.reservation
+        # inline ``reservation.allows_short``: this runs for every queued job
+        short = (reservation is not None and runtime is not None and reservation.start is not None
+                 and self.now + runtime <= reservation.start)
+        lowest = self.lowest_victim_priority
+        may_preempt = lowest is not None and job.priority > lowest
+        # Most of a long queue meets a reason that holds for the rest of the cycle ("priority",
+        # "resources"): jobs alike in all that reason depends on get it in one lookup.
+        quota_free = job.user not in self.quotas
+        kind_key = _kind_key(job)
+        alike = (kind_key, short, job.priority if may_preempt else None)
+        if quota_free and (runtime is None or runtime > 0):
+            settled = self.settled.get(alike)
+            if settled is not None:
+                self.tiers_of[job.job_id] = settled[1]
+                return settled[0]
+        kind = self.kind(job, kind_key)
+        problem = kind.problem or (runtime_problem(job) if runtime is not None and not runtime > 0 else None)
         if problem is not None:
             return f"unschedulable: {problem}"
         if not kind.ever:
             return (f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster "
                     f"even when it is empty")
-        if job.user in self.quotas:
+        if not quota_free:
             tiers, over = self.within_quota(job, kind)
             if not tiers:
                 return f"quota: {over}"
-            signature = (kind.index, tuple(a.gpu_key for tier in tiers for a in tier))
+            signature = (kind.family, tuple(a.gpu_key for tier in tiers for a in tier))
         else:
-            tiers, signature = kind.tiers, (kind.index,)
+            tiers, signature = kind.tiers, (kind.family,)
         self.tiers_of[job.job_id] = tiers
         size = kind.size
-        reservation = self.reservation
-        short = reservation is not None and reservation.allows_short(self.now, job.max_runtime_s)
-        lowest = self.victims.lowest_priority
-        may_preempt = lowest is not None and job.priority > lowest
         outcome_key = (signature, size, short, job.priority if may_preempt else None)
         if reservation is not None:
             # Once the cluster is full most jobs meet a state seen before: reuse that outcome.
             seen = self.outcomes.get(outcome_key)
             if seen is not None and (seen[0] == self.version or seen[0] == _FOR_GOOD):
+                if seen[0] == _FOR_GOOD and quota_free:
+                    self.settled[alike] = (seen[1], tiers)
                 return seen[1]
         if reservation is None or short:
-            choice = self.try_place(job, tiers, (signature, "free"), size, self.free)
-        elif self.memo.known_fail((signature, "long"), size):  # checked first: the view costs an array
-            choice = None
+            choice = self.try_place(job, tiers, (signature, "free"), size, False)
         else:
-            choice = self.try_place(job, tiers, (signature, "long"), size, np.minimum(self.free, reservation.extra))
+            choice = self.try_place(job, tiers, (signature, "long"), size, True)
         if choice is not None:
             self.commit(job, choice, limits_extra=not short)
             self.placements.append(self.to_placement(job, choice))
@@ -297,7 +359,7 @@ class _Cycle:
             if self.reservation.start is None:
                 return f"{base}; first in line: its nodes are kept for it as running jobs end"
             return f"{base}; first in line, reserved to start at {self.reservation.start:g}"
-        if self.fits(job, tiers, (signature, "free"), size, self.free):
+        if self.fits(job, tiers, (signature, "free"), size):
             when = "" if reservation.start is None else f", reserved to start at {reservation.start:g}"
             reason = f"reservation: starting now would delay job {reservation.job_id}{when}"
         else:
@@ -306,18 +368,20 @@ class _Cycle:
         # and "resources" (not even one worker fits) stay true; the others may change.
         lasting = reason.startswith(("priority", "resources"))
         self.outcomes[outcome_key] = (_FOR_GOOD if lasting else self.version, reason)
+        if lasting and quota_free:
+            self.settled[alike] = (reason, tiers)
         return reason
 
     def explain(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
         """Why a job that does not fit the free resources waits: priority, gang or resources."""
         if kind.initially is None:
-            kind.initially = feasible(self.cluster, kind.tiers, job, self.initial_free, self.ready)
+            kind.initially = self.initial_index.fits(kind.tiers, job)
         if kind.initially:
             return "priority: jobs ahead of it in the queue took the free resources"
         return self.shortage(job, kind, tiers, signature)
 
     def shortage(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
-        if self.fits(kind.one_worker, tiers, (signature, "free"), 1, self.free):
+        if self.fits(kind.one_worker, tiers, (signature, "free"), 1):
             return f"gang: some of its {job.workers} workers would fit now, but not all together"
         return f"resources: no room now for a worker of {kind.description}"
 
@@ -348,6 +412,7 @@ class _Cycle:
         after = self.free + released
         np.subtract.at(after, nodes, use)
         np.minimum(self.free, after, out=self.free)
+        self.free_index.touch(nodes)
         self.commit(job, choice, limits_extra=False, consume=False)
         names = ", ".join(v.job_id for v in victims)
         return f"resources: preempting lower-priority job(s) {names}; starts once they have stopped"
@@ -361,17 +426,25 @@ class _Cycle:
         limit = self.inp.estimate_limit
         if limit == 0:
             return {}
-        queued = {j.job_id: j for j in self.inp.queue}
         waiting = []
-        for job_id in self.order:
+        for job in self.considered:
+            job_id = job.job_id
             reason = self.waiting.get(job_id, "")
-            if reason.split(":", 1)[0] in ("resources", "gang", "priority", "reservation") \
+            if reason.startswith(("resources", "gang", "priority", "reservation")) \
                     and "preempting" not in reason and job_id in self.tiers_of:
-                waiting.append((queued[job_id], self.tiers_of[job_id]))
+                waiting.append((job, self.tiers_of[job_id]))
                 if len(waiting) >= limit:
                     break
         return estimate_starts(self.cluster, waiting, self.free, list(self.holdings.values()), self.now,
                                self.ready)
+
+
+def _kind_key(job: QueuedJob) -> tuple:
+    """What makes a job's kind: its shape, gang form and labels. Plain values, not the shape
+    dataclass, as hashing and comparing that is a large part of a queued job's cost."""
+    shape = job.shape
+    return (shape.cpu, shape.gpu, shape.memory, shape.gpu_type, shape.accelerator, job.workers,
+            job.workers_per_node, job.nodes, job.labels)
 
 
 def _per_node(nodes: np.ndarray, use: np.ndarray, count: int) -> np.ndarray:
@@ -394,7 +467,17 @@ def _describe(job: QueuedJob) -> str:
 def schedule(inp: SchedulerInput) -> Decisions:
     """Decide one cycle (see module contract). Raises ``InvalidSpec`` on duplicate ids or
     negative node resources; a malformed job only waits as ``unschedulable``."""
-    return _Cycle(inp).run()
+    # A cycle over thousands of jobs allocates tens of thousands of small objects that all live
+    # until it returns and form no reference cycles: Python's cyclic collector would run dozens of
+    # times during it, now and then over the caller's whole heap (the server's, the benchmark's),
+    # finding nothing. Paused for the cycle, restored as it was, whatever happens.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Cycle(inp).run()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def fits_ever(job: QueuedJob, nodes: tuple) -> bool:

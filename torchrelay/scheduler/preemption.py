@@ -15,13 +15,11 @@ Contract:
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 from torchrelay.scheduler.backfill import Holding, Tiers
 from torchrelay.scheduler.cluster import Cluster
-from torchrelay.scheduler.placement import Choice, place_best, use_of
+from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
 from torchrelay.scheduler.types import QueuedJob
 
 _EPS = 1e-6
@@ -34,23 +32,35 @@ def _cost(holding: Holding) -> tuple:
 class VictimPool:
     def __init__(self, holdings: list[Holding], n_nodes: int) -> None:
         pool = sorted((h for h in holdings if h.preemptible and not h.new), key=_cost)
+        self._pool = pool
         self._preempting: dict[int, np.ndarray] = {}  # priority -> per-node resources
         self._by_level: dict[int, np.ndarray] = {}
-        self._on_node: dict[int, list[Holding]] = defaultdict(list)  # cost order
         self._removed: set[str] = set()
-        grouped: dict[tuple[bool, int], list[Holding]] = defaultdict(list)
-        for holding in pool:
-            grouped[(holding.preempting, holding.priority)].append(holding)
-            for node in holding.nodes.tolist():
-                self._on_node[node].append(holding)
-        for (preempting, priority), members in grouped.items():
-            nodes = np.concatenate([h.nodes for h in members])
-            use = np.concatenate([h.use for h in members])
+        # thousands of running jobs: their rows in one array each (pool order) rather than a
+        # Python loop per job and node
+        nodes = np.concatenate([h.nodes for h in pool]) if pool else np.zeros(0, dtype=np.int64)
+        use = np.concatenate([h.use for h in pool]) if pool else np.zeros((0, 3))
+        owner = np.repeat(np.arange(len(pool)), [len(h.nodes) for h in pool])
+        keys = [(h.preempting, h.priority) for h in pool]
+        groups: dict[tuple[bool, int], int] = {}
+        row_group = np.array([groups.setdefault(k, len(groups)) for k in keys], dtype=np.int64)[owner]
+        for (preempting, priority), group in groups.items():
+            rows = row_group == group  # the group's rows, still in pool order (same sums)
             table = self._preempting if preempting else self._by_level
-            table[priority] = np.stack([np.bincount(nodes, weights=use[:, d], minlength=n_nodes)
+            table[priority] = np.stack([np.bincount(nodes[rows], weights=use[rows, d], minlength=n_nodes)
                                         for d in range(3)], axis=1)
+        # per node, the pool jobs on it in cost order: rows sorted by node, stable
+        by_node = np.argsort(nodes, kind="stable")
+        self._row_nodes = nodes[by_node]
+        self._row_owner = owner[by_node]
         # a job at this priority or below can never preempt anything in this cycle
         self.lowest_priority = min((h.priority for h in pool), default=None)
+
+    def _on_node(self, node: int) -> list[Holding]:
+        """The pool jobs on ``node``, cheapest to stop first."""
+        low, high = np.searchsorted(self._row_nodes, (node, node + 1))
+        pool = self._pool
+        return [pool[i] for i in self._row_owner[low:high].tolist()]
 
     def remove(self, holding: Holding) -> None:
         self._removed.add(holding.job_id)
@@ -69,8 +79,8 @@ class VictimPool:
         for level in [None, *levels]:
             if level is not None:
                 avail = avail + self._by_level[level]
-            choice = place_best(cluster, tiers, job, avail, allowed)
-            if choice is not None:
+            if feasible(cluster, tiers, job, avail, allowed):  # cheaper than placing at every level
+                choice = place_best(cluster, tiers, job, avail, allowed)
                 top = level
                 break
         if choice is None:
@@ -80,7 +90,7 @@ class VictimPool:
         victims: list[Holding] = []
         taken: set[str] = set()
         for node in sorted(deficit, key=lambda n: cluster.ids[n]):
-            for holding in self._on_node.get(node, ()):
+            for holding in self._on_node(node):
                 if deficit[node].max() <= _EPS:
                     break
                 if holding.job_id in self._removed or holding.job_id in taken:
