@@ -4,15 +4,33 @@
     the same model in one process with one thread on the same 8 micro-batches with gradient
     accumulation (DESIGN §6: micro-batches are not free, so the baseline micro-batches too).
     Rows for our lean 1F1B and GPipe and for torch.distributed.pipelining's 1F1B and GPipe.
-(b) auto_vs_equal, auto_vs_best: a transformer with a large vocabulary (embedding and head
-    heavy); step time of the profiled automatic plan against the equal-layer split and
-    against the fastest of every contiguous 2-stage split, all measured.
+(b) auto_vs_equal, auto_vs_best: the char transformer with a large embedding and head
+    (``LM``: vocabulary 16384, width 128, 10 layers, 4 × 32 tokens per micro-batch; 12
+    blocks). The issue's scenario is a model whose embedding and head are heavy enough that
+    cutting it into equal layer counts is clearly wrong: here the embedding holds 2.1 M
+    parameters (as many as all 10 layers) and costs about one layer's time (its gradient is
+    a dense 16384 × 128 table), and the head (a 128 × 16384 projection and its softmax)
+    costs about 10 layers' time, ≈ 43% of the model. The equal-layer split (embedding + 5
+    layers | 5 layers + head) then has its slowest stage ≈ 1.4× the best cut's. How much
+    any cut can gain is bounded: with 2 stages × 8 micro-batches a step is ≈ 7 × the slowest
+    stage + both stages, so no cut beats the equal split by more than ≈ 1.39× whatever the
+    head's size (the bound is reached when the head is half the model; a heavier head is
+    then the slowest stage alone for every cut). Checked in session 2: vocabulary 20480
+    (head ≈ half) did not widen the gap, because the best cut can no longer balance the
+    stages at block granularity. Step time of the profiled automatic plan against the
+    equal-layer split and against the fastest of all 11 contiguous 2-stage splits, each
+    measured (an exhaustive search).
 (c) prediction_error: the plan's predicted compute time per micro-batch of each stage over
     the time the stage really computed per micro-batch in the pipeline (largest |ratio - 1|).
 (d) plan_s_100x8: planning time for 100 blocks on 8 stages.
 
 All configurations run in one pair of processes, interleaved round by round, so machine
-noise hits them alike. Usage: ``OMP_NUM_THREADS=1 python bench/pipeline.py [--quick]``.
+noise hits them alike. Since the machine is shared, each figure also comes from CPU time:
+``*_replay`` replays both ranks' per-action CPU traces of each step (our runtime's
+``last_trace``, ``runtime.replay_step``), which gives the step on two idle cores with free
+messages, i.e. what the schedule and our per-micro-batch overhead cost without the other
+processes on the machine; ``*_cpu_estimate`` is the older, coarser formula from CPU time
+per step. Usage: ``OMP_NUM_THREADS=1 python bench/pipeline.py [--quick]``.
 Last line: ``RESULT {json}``.
 """
 from __future__ import annotations
@@ -76,6 +94,7 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
     from torchrelay.spec import PipelineStrategy
     from torchrelay.train.pipeline import build_on_meta, materialize_module, prepare
     from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss, mse_loss
+    from torchrelay.train.pipeline.runtime import replay_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -133,22 +152,36 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
                 for c in range(1, n_lm)}
 
     cpu: dict[str, list[float]] = {}
+    traces: dict[str, list] = {}  # our runtime's per-step CPU trace (runtime.replay_step)
+
+    def run_queue_s() -> float:
+        """Seconds this thread has waited for a CPU while runnable (Linux schedstat)."""
+        try:
+            with open("/proc/thread-self/schedstat") as f:
+                return int(f.read().split()[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            return float("nan")
 
     def run(pipe, x, y, n, name=None):
         times, busy = [], []
         for _ in range(n):
             dist.barrier()
+            q0 = run_queue_s()
             t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             pipe.module.zero_grad(set_to_none=True)
             c1, th1 = time.process_time(), time.thread_time()
+            q1 = run_queue_s()
             dist.barrier()  # the step ends when both stages are done
             times.append(time.perf_counter() - t0)
             busy.append(getattr(pipe.runner, "last_busy_s", float("nan")))
             if name:
+                if getattr(pipe.runner, "last_trace", None):
+                    traces.setdefault(name, []).append(pipe.runner.last_trace)
                 cpu.setdefault(name, []).append(c1 - c0)
                 cpu.setdefault(f"{name} main thread", []).append(th1 - th0)
                 cpu.setdefault(f"{name} compute", []).append(busy[-1])
+                cpu.setdefault(f"{name} run queue", []).append(q1 - q0)
         return times, busy
 
     # this rank's half of the MLP alone (the other rank waits): compute without a neighbour
@@ -208,11 +241,17 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
     dist.all_gather_object(busy_all, statistics.median(busy_auto) if busy_auto else None)
     cpu_all = [None, None]  # CPU seconds per step on each rank (gloo's threads included)
     dist.all_gather_object(cpu_all, {k: statistics.median(v) for k, v in cpu.items()})
+    traces_all = [None, None]
+    dist.all_gather_object(traces_all, traces)
+    # each configuration's steps replayed from both stages' CPU traces: the step on idle cores
+    replayed = {name: statistics.median(replay_step([t0, t1]) for t0, t1 in
+                                        zip(traces_all[0][name], traces_all[1][name]))
+                for name in traces_all[0]}
     if rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps({
             "medians": medians, "auto_plan": auto.plan.to_dict() if auto else None,
             "auto_plan_text": auto.plan.describe() if auto else "",
-            "auto_busy_per_stage_s": busy_all, "cpu_per_rank_s": cpu_all, "profile_and_plan_s": profile_and_plan_s,
+            "auto_busy_per_stage_s": busy_all, "replayed_s": replayed, "cpu_per_rank_s": cpu_all, "profile_and_plan_s": profile_and_plan_s,
             "num_lm_blocks": n_lm,
         }))
     dist.barrier()
@@ -278,13 +317,20 @@ def main() -> None:
             print(f"    {name:34s} {cpu0[name] * 1e3:7.2f} + {cpu1[name] * 1e3:7.2f} ms "
                   f"(baseline {cpu0['baseline'] * 1e3:7.2f}; overhead {total / cpu0['baseline'] - 1:+.1%})"
                   f"  -> {estimates[name]:.2f}x")
+        rep_a = res["replayed_s"]
+        print("    each step replayed from both ranks' CPU traces (idle cores, free messages; "
+              f"ideal {2 * m_a / (m_a + 1):.2f}x):")
+        for name in ("lean 1f1b", "lean gpipe", "lean-gloo 1f1b"):
+            print(f"    {name:34s} {rep_a[name] * 1e3:7.2f} ms  -> "
+                  f"{cpu0['baseline'] / rep_a[name]:.2f}x")
         print("    where a step's time goes in ours 1F1B, per rank (CPU ms per step):")
         for r, c in enumerate(res["cpu_per_rank_s"]):
             other_main = c["lean 1f1b main thread"] - c["lean 1f1b compute"]
             gloo = c["lean 1f1b"] - c["lean 1f1b main thread"]
             print(f"    rank {r}: compute {c['lean 1f1b compute'] * 1e3:6.2f} (its half alone "
                   f"{c['isolated half'] * 1e3:6.2f}), rest of main thread {other_main * 1e3:5.2f}, "
-                  f"other threads (gloo) {gloo * 1e3:5.2f}; wall {med['lean 1f1b'] * 1e3:6.2f}")
+                  f"other threads (gloo) {gloo * 1e3:5.2f}; waiting for a core (other "
+                  f"processes) {c['lean 1f1b run queue'] * 1e3:5.2f}; wall {med['lean 1f1b'] * 1e3:6.2f}")
         result.update({
             "speedup_2x8": round(base / med["lean 1f1b"], 3),
             "speedup_2x8_gpipe": round(base / med["lean gpipe"], 3),
@@ -292,6 +338,12 @@ def main() -> None:
             "torch_1f1b_speedup_2x8": round(base / med["torch 1f1b"], 3),
             "torch_gpipe_speedup_2x8": round(base / med["torch gpipe"], 3),
             "speedup_2x8_cpu_estimate": round(estimates["lean 1f1b"], 3),
+            "speedup_2x8_replay": round(cpu0["baseline"] / rep_a["lean 1f1b"], 3),
+            # ms per step each rank waited for a core (other processes): what the wall-clock
+            # figures measure besides this pipeline
+            "run_queue_ms_per_rank": [round(c["lean 1f1b run queue"] * 1e3, 2)
+                                      for c in res["cpu_per_rank_s"]],
+            "speedup_2x8_gpipe_replay": round(cpu0["baseline"] / rep_a["lean gpipe"], 3),
             "torch_1f1b_cpu_estimate": round(estimates["torch 1f1b"], 3),
         })
     if "b" in args.parts:
@@ -327,7 +379,15 @@ def main() -> None:
         print("    from CPU time per step (idle-core estimate): "
               + ", ".join(f"cut {c} {t * 1e3:.0f}" for c, t in cpu_cut.items())
               + f", auto {cpu_auto * 1e3:.0f} ms; best cut {cpu_best}")
+        rep_b = res["replayed_s"]
+        rep_cut = {c: rep_b[f"lm cut {c}"] for c in range(1, n)}
+        rep_best = min(rep_cut, key=rep_cut.get)
+        print("    replayed from CPU traces (idle cores): "
+              + ", ".join(f"cut {c} {t * 1e3:.0f}" for c, t in rep_cut.items())
+              + f", auto {rep_b['lm auto'] * 1e3:.0f} ms; best cut {rep_best}")
         result.update({
+            "auto_vs_equal_replay": round(rep_cut[equal_cut] / rep_b["lm auto"], 3),
+            "auto_vs_best_replay": round(rep_b["lm auto"] / rep_cut[rep_best], 3),
             "auto_vs_equal_cpu_estimate": round(cpu_cut[equal_cut] / cpu_auto, 3),
             "auto_vs_best_cpu_estimate": round(cpu_auto / cpu_cut[cpu_best], 3),
         })

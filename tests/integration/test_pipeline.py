@@ -80,6 +80,9 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
         expected_shm = name.startswith(("mlp-lean", "lm-lean", "charlm-lean")) \
             and "gloo" not in name
         assert [c["shared_memory"] for c in per_rank] == [expected_shm] * 2, name
+        # the lean runtime splits the last backward on every stage but the first
+        if "lean" in name:
+            assert [c["split_last_backward"] for c in per_rank] == [False, True], name
         owned = sorted(b for c in per_rank for b in c["blocks"])
         assert owned == list(range(per_rank[0]["num_blocks"])), name  # each block on one rank
     # The automatic plan is the same on both ranks and reported as a dict.
@@ -186,7 +189,10 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
                 "plan": pipe.plan.to_dict(),
                 "materialised_only_own": others_on_meta and own_materialised,
                 "shared_memory": any(getattr(pipe.runner, side, None) is not None
-                                     for side in ("prev_channel", "next_channel"))}
+                                     for side in ("prev_channel", "next_channel")),
+                # the lean runtime's trace: did this stage split its last backward?
+                "split_last_backward": any(kind == "W" for kind, _, _ in
+                                           getattr(pipe.runner, "last_trace", []))}
         return case, pipe, full
 
     torch.manual_seed(0)

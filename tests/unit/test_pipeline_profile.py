@@ -7,7 +7,7 @@ from torch import nn
 
 from torchrelay.train.pipeline.meta import build_on_meta, is_on_meta
 from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss
-from torchrelay.train.pipeline.profile import profile_blocks
+from torchrelay.train.pipeline.profile import profile_blocks, windows_by_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,3 +50,31 @@ def test_profile_names_a_block_that_returns_no_tensor():
 
     with pytest.raises(ValueError, match="block 0 \\(Pair\\)"):
         profile_blocks([Pair()], torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("sizes, limit, expected", [
+    ([1, 1, 1, 1], None, [(0, 4)]),          # no limit: one chain of everything
+    ([1, 1, 1, 1], 2, [(0, 2), (2, 4)]),
+    ([3, 1, 1, 5, 1], 3, [(0, 1), (1, 3), (3, 4), (4, 5)]),  # a block over the limit alone
+    ([2, 2, 2], 5, [(0, 2), (2, 3)]),
+    ([], 4, []),
+])
+def test_profile_windows_hold_consecutive_blocks_within_the_byte_limit(sizes, limit, expected):
+    spans = windows_by_bytes(sizes, limit)
+    assert [(r.start, r.stop) for r in spans] == expected
+
+
+def test_chained_profile_in_windows_matches_one_window_in_everything_but_time():
+    torch.set_num_threads(1)
+    blocks = build_on_meta(lambda: char_transformer(vocab=512, dim=16, depth=3, heads=2,
+                                                    context=8))
+    ids = torch.randint(0, 512, (2, 8))
+    whole = profile_blocks(blocks, ids, warmup=0, repeats=1, loss_fn=lm_loss, sample_target=ids)
+    # windows of one block each (the smallest possible limit)
+    single = profile_blocks(blocks, ids, warmup=0, repeats=1, loss_fn=lm_loss,
+                            sample_target=ids, window_bytes=1)
+    assert len(whole) == len(single) == 5
+    for a, b in zip(whole, single):
+        assert (a.name, a.out_bytes, a.param_bytes, a.stash_bytes) == \
+            (b.name, b.out_bytes, b.param_bytes, b.stash_bytes)
+        assert a.time_s > 0 and b.time_s > 0

@@ -11,7 +11,7 @@ from torchrelay.train.pipeline.meta import (as_blocks, build_on_meta, is_on_meta
                                             materialize_module, transformer_blocks)
 from torchrelay.train.pipeline.models import balanced_mlp, char_transformer
 from torchrelay.train.pipeline.partition import BlockCost, DeviceSpec, plan_stages
-from torchrelay.train.pipeline.runtime import microbatch_sizes, schedule_actions
+from torchrelay.train.pipeline.runtime import microbatch_sizes, replay_step, schedule_actions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,3 +104,32 @@ def test_plan_is_published_for_relay_status(tmp_path):
     path = publish_plan(plan, env={"RELAY_METRICS_DIR": str(tmp_path / "m")})
     data = json.loads(open(path).read())
     assert data["stages"] == plan.to_dict()["stages"] and "stage 0 on a" in data["text"]
+
+
+def _trace(stage, stages, m, f, b, schedule="1f1b"):
+    return [(kind, i, f if kind == "F" else b)
+            for kind, i in schedule_actions(schedule, stage, stages, m)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages, m", [(2, 8), (3, 4), (4, 8)])
+def test_replay_of_balanced_stages_gives_the_textbook_step(schedule, stages, m):
+    # forward 1, backward 2 on every stage: (m + stages - 1) * 3
+    traces = [_trace(k, stages, m, 1.0, 2.0, schedule) for k in range(stages)]
+    assert replay_step(traces) == pytest.approx((m + stages - 1) * 3.0)
+
+
+def test_replay_counts_the_slowest_stage_and_a_split_backward():
+    slow = [_trace(0, 2, 4, 1.0, 2.0), _trace(1, 2, 4, 2.0, 4.0)]
+    # stage 0's F0, then stage 1 back to back (4 × 6), then stage 0's last backward
+    assert replay_step(slow) == pytest.approx(1 + 24 + 2)
+    # stage 1 splits its last backward into input (1) and weights (3): stage 0's last
+    # backward starts 3 earlier and runs alongside the weights' part
+    split = [_trace(0, 2, 4, 1.0, 2.0), _trace(1, 2, 4, 2.0, 4.0)[:-1] + [("B", 3, 1.0),
+                                                                          ("W", 3, 3.0)]]
+    assert replay_step(split) == pytest.approx(1 + 18 + 2 + 1 + 3)
+
+
+def test_replay_refuses_traces_that_cannot_finish():
+    with pytest.raises(ValueError, match="cannot finish"):
+        replay_step([[("B", 0, 1.0)], [("F", 1, 1.0)]])

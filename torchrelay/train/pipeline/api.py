@@ -7,7 +7,8 @@ Contract:
 - Ranks are laid out replica-major: rank = replica × stages + stage. Stage ``k`` of every
   replica runs blocks ``plan.stages[k]``; replicas of a stage average gradients.
 - The plan: ``plan=`` a ``Plan`` or a boundary list (first block of each stage) is taken as
-  given; otherwise every rank profiles every block on its own device, one block at a time,
+  given; otherwise every rank profiles every block on its own device (chained, in windows
+  of about one stage's parameters),
   the link between ranks 0 and 1 is timed, and ``plan_stages`` cuts the model. Every rank
   computes the same plan from the same gathered numbers; rank 0's is broadcast to be sure.
 - Blocks built on the meta device are materialised only on the stage that runs them (block
@@ -256,8 +257,12 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
         raise InvalidSpec("pipeline: stages are planned from a profile, which needs sample= "
                           "(one micro-batch of inputs); or pass plan= (first block of each "
                           "stage)")
+    # Profile in chained windows of about one stage's worth of parameters: a stage holds
+    # that much anyway, and chained blocks time as the stage will run them (profile.py).
+    model_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
     costs = profile_blocks(blocks, sample, device, optimizer_factory=optimizer_factory,
-                           loss_fn=loss_fn, sample_target=sample_target, seed=seed)
+                           loss_fn=loss_fn, sample_target=sample_target, seed=seed,
+                           window_bytes=-(-model_bytes // plan_stage_count))
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, [c.time_s for c in costs])
     link = measure_link(0, 1, device=device) if dist.get_world_size() > 1 else Link()

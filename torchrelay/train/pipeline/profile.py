@@ -6,9 +6,20 @@ Contract:
   outputs, the bytes autograd keeps for its backward (counted through saved-tensor hooks,
   parameters excluded) and parameter+gradient+optimizer-state bytes (the optimizer is built
   with ``optimizer_factory`` and stepped once, so its state is measured, not assumed).
-- Blocks may live on the meta device: each is copied, materialised on ``device`` alone,
-  measured and freed, so profiling never holds more than one block. Blocks already on a real
-  device are measured in place and their gradients are cleared afterwards.
+- Blocks are timed **chained, as a stage runs them**: each repetition runs a window of
+  consecutive blocks forward in order (each block's input its predecessor's output,
+  detached, so the block's own time can be read) and then backward in reverse order, so
+  between a block's forward and its backward the other blocks run and push its weights and
+  activations out of the caches, as in a pipeline stage. (Timing each block alone, with its
+  weights hot from the previous repetition, under-predicted a stage of embedding + layers
+  by 10–17%.) Repetitions interleave the blocks, so a burst of load from other processes
+  hits every block of a repetition alike rather than one block's whole sample.
+- Blocks may live on the meta device: a window's blocks are copied, materialised on
+  ``device``, measured and freed. A window holds consecutive blocks of at most
+  ``window_bytes`` parameter bytes (at least one block; ``None``: no limit), so profiling
+  never holds more of the model than that; ``prepare`` passes the model's parameter bytes
+  over the number of stages (what a stage holds on average anyway). Blocks already on a
+  real device are measured in place and their gradients are cleared afterwards.
 - If ``loss_fn`` and ``sample_target`` are given, the last block's time includes the loss.
 - ``measure_link(rank_a, rank_b)`` times point-to-point transfers between two ranks of the
   current process group (both ranks must call it; others may too and return at once).
@@ -58,15 +69,23 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def _fwd_bwd(block: nn.Module, x: torch.Tensor, grad_fn: Callable[[torch.Tensor], torch.Tensor]
-             ) -> torch.Tensor:
-    inp = x.detach().requires_grad_(x.is_floating_point())
-    out = block(inp)
-    loss_or_out = grad_fn(out)
-    if loss_or_out.dim() == 0:
-        loss_or_out.backward()
-    else:
-        loss_or_out.backward(torch.ones_like(loss_or_out))
+def _param_bytes_of(block: nn.Module) -> int:
+    return sum(_bytes(p) for p in block.parameters())
+
+
+def windows_by_bytes(sizes: Sequence[int], window_bytes: int | None) -> list[range]:
+    """Consecutive index ranges whose ``sizes`` sum to at most ``window_bytes`` (a range of
+    one when a single size is larger; ``None``: one range of everything). Pure."""
+    if window_bytes is None:
+        return [range(0, len(sizes))] if sizes else []
+    out, first, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > first and total + size > window_bytes:
+            out.append(range(first, i))
+            first, total = i, 0
+        total += size
+    if first < len(sizes):
+        out.append(range(first, len(sizes)))
     return out
 
 
@@ -89,12 +108,49 @@ def _stash_bytes(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return out, total
 
 
+def _time_chain(window: list[nn.Module], x: torch.Tensor, loss: Callable | None,
+                device: torch.device, clock: Callable[[], float]) -> list[float]:
+    """One forward of ``window`` in order then its backward in reverse, block by block
+    (as a stage runs them); each block's forward + backward seconds. ``loss(out)``, when
+    given, ends the last block (its time includes it); else the last output's gradient is
+    ones."""
+    inputs, outputs, times = [], [], []
+    for block in window:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        _sync(device)
+        started = clock()
+        x = block(inp)
+        _sync(device)
+        times.append(clock() - started)
+        inputs.append(inp)
+        outputs.append(x)
+    grad = None
+    for i in range(len(window) - 1, -1, -1):
+        _sync(device)
+        started = clock()
+        if not outputs[i].requires_grad:
+            pass  # nothing to differentiate (e.g. a parameter-free block on integer input)
+        elif i == len(window) - 1:
+            if loss is not None:
+                loss(outputs[i]).backward()
+            else:
+                outputs[i].backward(torch.ones_like(outputs[i]))
+        else:
+            outputs[i].backward(grad if grad is not None else torch.zeros_like(outputs[i]))
+        _sync(device)
+        times[i] += clock() - started
+        grad = inputs[i].grad
+    return times
+
+
 def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                    device: torch.device | str = "cpu", *,
                    optimizer_factory: Callable | None = None,
                    loss_fn: Callable | None = None, sample_target: torch.Tensor | None = None,
-                   warmup: int = 2, repeats: int = 5, seed: int = 0) -> list[BlockCost]:
-    """One ``BlockCost`` per block, measured on ``device`` with one micro-batch ``sample``.
+                   warmup: int = 2, repeats: int = 7, seed: int = 0,
+                   window_bytes: int | None = None) -> list[BlockCost]:
+    """One ``BlockCost`` per block, measured on ``device`` with one micro-batch ``sample``,
+    chained in windows of at most ``window_bytes`` parameter bytes (module docstring).
 
     Blocks. Raises ``ValueError`` naming the block whose output is not a single tensor.
     """
@@ -102,44 +158,47 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
     x = sample.to(device)
     target = sample_target.to(device) if sample_target is not None else None
     clock = compute_clock(device)
-    costs = []
-    for index, original in enumerate(blocks):
-        on_meta = any(t.device.type == "meta" for t in
-                      [*original.parameters(), *original.buffers()])
-        block = materialize_module(copy.deepcopy(original), device, seed=seed + index) \
-            if on_meta else original
-        is_last = index == len(blocks) - 1
-        if is_last and loss_fn is not None and target is not None:
-            def grad_fn(out, _target=target):
-                return loss_fn(out, _target)
-        else:
-            def grad_fn(out):
-                return out
-        out, stash = _stash_bytes(block, x)
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"pipeline block {index} ({type(original).__name__}) returned "
-                             f"{type(out).__name__}; every block must map one tensor to one tensor")
-        times = []
+    costs: list[BlockCost] = []
+    for span in windows_by_bytes([_param_bytes_of(b) for b in blocks], window_bytes):
+        window, stashes, outs = [], [], []
+        chain_in = x
+        for index in span:
+            original = blocks[index]
+            on_meta = any(t.device.type == "meta" for t in
+                          [*original.parameters(), *original.buffers()])
+            block = materialize_module(copy.deepcopy(original), device, seed=seed + index) \
+                if on_meta else original
+            out, stash = _stash_bytes(block, x)
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"pipeline block {index} ({type(original).__name__}) returned "
+                                 f"{type(out).__name__}; every block must map one tensor to "
+                                 f"one tensor")
+            window.append(block)
+            stashes.append(stash)
+            outs.append(_bytes(out))
+            x = out.detach()
+        ends_model = span.stop == len(blocks) and loss_fn is not None and target is not None
+        loss = (lambda out: loss_fn(out, target)) if ends_model else None
+        samples: list[list[float]] = [[] for _ in span]
         for rep in range(warmup + repeats):
-            _sync(device)
-            started = clock()
-            _fwd_bwd(block, x, grad_fn)
-            _sync(device)
+            times = _time_chain(window, chain_in, loss, device, clock)
             if rep >= warmup:
-                times.append(clock() - started)
-        params = [p for p in block.parameters() if p.requires_grad]
-        param_bytes = 2 * sum(_bytes(p) for p in params)  # weights and their gradients
-        if optimizer_factory is not None and params:
-            optimizer = optimizer_factory(params)
-            optimizer.step()
-            param_bytes += sum(_tensor_bytes(s) for s in optimizer.state.values())
-            del optimizer
-        block.zero_grad(set_to_none=True)
-        costs.append(BlockCost(time_s=statistics.median(times), out_bytes=_bytes(out),
-                               param_bytes=param_bytes, stash_bytes=stash,
-                               name=f"{index}:{type(original).__name__}"))
-        x = out.detach()
-        del block
+                for i, t in enumerate(times):
+                    samples[i].append(t)
+        for i, (index, block) in enumerate(zip(span, window)):
+            params = [p for p in block.parameters() if p.requires_grad]
+            param_bytes = 2 * sum(_bytes(p) for p in params)  # weights and their gradients
+            if optimizer_factory is not None and params:
+                optimizer = optimizer_factory(params)
+                optimizer.step()
+                param_bytes += sum(_tensor_bytes(s) for s in optimizer.state.values())
+                del optimizer
+            block.zero_grad(set_to_none=True)
+            costs.append(BlockCost(time_s=statistics.median(samples[i]) if samples[i] else 0.0,
+                                   out_bytes=outs[i], param_bytes=param_bytes,
+                                   stash_bytes=stashes[i],
+                                   name=f"{index}:{type(blocks[index]).__name__}"))
+        del window
     return costs
 
 

@@ -13,19 +13,26 @@ Contract (both runtimes, one object per rank, built by ``prepare``):
   end of ``step``.
 
 Why a runtime of our own (``LeanPipeline``): torch.distributed.pipelining spends more CPU
-per micro-batch on bookkeeping (bench/pipeline.py prints CPU time per step; for 2 stages ×
-8 MLP micro-batches on a shared machine, over the unsplit model: torch 1F1B +14–42% and
-GPipe +34–69%, this runtime +8–27% and +5–18%; see docs/pipeline.md). This one posts every receive of the step at its start into buffers
-allocated once per input shape, sends with ``isend`` and waits for sends only at the end of
-the step, so communication overlaps compute and nothing is copied. Shapes are not exchanged
-per micro-batch: stage 0 sends one 10-integer header per step (dtype and batch shape) along
-the chain; only the first step of a new shape sends each activation's shape ahead of it
-(running the blocks on the meta device instead costs seconds of lazy imports). It assumes
-point-to-point messages are matched by tag (gloo); on NCCL ``prepare`` uses torch's runtime.
-Neighbours on the same host (``prev_channel``/``next_channel``, see shm.py) use gloo only for
-the first step of a shape; from then on activations and gradients go through shared-memory
-slots with a one-byte signal each (no gloo threads, at most one wake-up per message), and the
-per-step header goes over the same channel.
+per micro-batch on bookkeeping (bench/pipeline.py prints CPU time per step; for 2 stages × 8
+MLP micro-batches on a shared machine, over the unsplit model: torch 1F1B +14–42% and GPipe
++34–69%, this runtime +8–27% and +5–18%; see docs/pipeline.md). This one posts every receive
+of the step at its start into buffers allocated once per input shape, sends with ``isend``
+and waits for sends only at the end of the step, so communication overlaps compute and
+nothing is copied. Shapes are not exchanged per micro-batch: stage 0 sends one 10-integer
+header per step (dtype and batch shape) along the chain; only the first step of a new shape
+sends each activation's shape ahead of it (running the blocks on the meta device instead
+costs seconds of lazy imports). It assumes point-to-point messages are matched by tag
+(gloo); on NCCL ``prepare`` uses torch's runtime. Neighbours on the same host
+(``prev_channel``/``next_channel``, see shm.py) use gloo only for the first step of a shape;
+from then on activations and gradients go through shared-memory slots with a one-byte signal
+each (no gloo threads, at most one wake-up per message), and the per-step header goes over
+the same channel.
+
+On every stage but the first, the step's last backward is split (input gradient first, sent
+at once; then the weights' gradients while the previous stage runs its own last backward),
+which shortens the pipeline's drain; gradients are the same. ``last_trace`` records the last
+step's CPU time per action and ``replay_step`` turns the stages' traces into the step on
+idle cores (docs/pipeline.md, "Traces and replay").
 """
 from __future__ import annotations
 
@@ -66,6 +73,39 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, microbatches: i
     return actions
 
 
+def replay_step(traces: Sequence[Sequence[tuple[str, int, float]]]) -> float:
+    """The step a pipeline's stages would take with no waiting but for each other: replay
+    each stage's ``last_trace`` (``traces[k]`` for stage ``k``) in order, starting an action
+    when its stage is free and its input is there (forward ``m`` after the previous stage's
+    forward ``m``, backward ``m`` after the next stage's backward ``m``; with a split
+    backward, the next stage's input part). Messages cost nothing. Pure.
+
+    Raises ``ValueError`` when the traces cannot finish (an action waits for one that never
+    comes)."""
+    num = len(traces)
+    done: dict[tuple[int, str, int], float] = {}
+    clock, nxt = [0.0] * num, [0] * num
+    remaining = sum(len(t) for t in traces)
+    while remaining:
+        progressed = False
+        for k, trace in enumerate(traces):
+            while nxt[k] < len(trace):
+                kind, m, seconds = trace[nxt[k]]
+                dep = (k - 1, "F", m) if kind == "F" and k > 0 else \
+                    (k + 1, "B", m) if kind == "B" and k < num - 1 else None
+                if dep is not None and dep not in done:
+                    break
+                clock[k] = max(clock[k], done[dep] if dep else 0.0) + seconds
+                done[(k, kind, m)] = clock[k]
+                nxt[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [traces[k][nxt[k]] for k in range(num) if nxt[k] < len(traces[k])]
+            raise ValueError(f"pipeline traces cannot finish: waiting are {stuck}")
+    return max(clock, default=0.0)
+
+
 def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
     """Sizes ``torch.tensor_split`` gives. Raises ``InvalidSpec`` if a micro-batch is empty."""
     if batch < microbatches:
@@ -92,7 +132,15 @@ class LeanPipeline:
         self._buffers: dict[tuple, tuple[list, list]] = {}  # header -> (inputs, grads)
         self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         self.last_busy_s = 0.0  # compute seconds (forward, loss, backward) of the last step
+        # The last step as ("S", -1, s) set-up, then each action ("F"/"B", m, s) and, for a
+        # split backward, its weights' part ("W", m, s), then ("E", -1, s) the rest: seconds
+        # of this stage's clock from the end of the previous record. With the CPU clock
+        # waiting costs nothing, so replaying the stages' traces with their dependencies
+        # gives the step on idle cores (bench/pipeline.py does).
+        self.last_trace: list[tuple[str, int, float]] = []
         self._clock = compute_clock(device)  # the profiler's clock: like compares with like
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._split_last = True  # off after a graph the split cannot handle (_backward_input)
 
     @property
     def is_first(self) -> bool:
@@ -133,6 +181,9 @@ class LeanPipeline:
             raise InvalidSpec("pipeline: stage 0 must pass inputs to step()")
         if self.is_last and targets is None:
             raise InvalidSpec(f"pipeline: the last stage ({self.stage}) must pass targets")
+        clock = self._clock
+        mark = clock()  # start of the current trace segment (see last_trace)
+        trace: list[tuple[str, int, float]] = []
         key = self._exchange_header(inputs)
         batch = key[2]
         sizes = microbatch_sizes(batch, self.microbatches)
@@ -172,7 +223,11 @@ class LeanPipeline:
         sends = []
         acts_ready = grads_ready = 0  # shared-memory "slot ready" signals seen this step
         total_loss = torch.zeros((), device=self.device)
-        busy, clock = 0.0, self._clock
+        busy = 0.0
+        last_b = self.actions[-1][1]
+        now = clock()
+        trace.append(("S", -1, now - mark))
+        mark = now
         for kind, m in self.actions:
             if kind == "F":
                 if self.is_first:
@@ -207,6 +262,9 @@ class LeanPipeline:
                                 f"on the input shape")
                         slot.copy_(out.detach())
                         next_ch.write(b"F")
+                        now = clock()
+                        trace.append(("F", m, now - mark))
+                        mark = now
                         continue
                     send_buf = out.detach().contiguous()
                     if not known:
@@ -216,17 +274,22 @@ class LeanPipeline:
                     sends.append((dist.isend(send_buf, nxt, group=group, tag=1 + 2 * m),
                                   send_buf))
             else:
-                if self.is_last:
-                    started = clock()
-                    outputs[m].backward()
-                else:
+                # The step's last backward, on every stage but the first, is split: the
+                # input's gradient first, sent upstream at once, then the weights' gradients
+                # while the previous stage already runs its own last backward (the drain).
+                split = m == last_b and self._split_last and not self.is_first
+                grad_out = None
+                if not self.is_last:
                     if next_shm is not None:
                         while grads_ready <= m:
                             grads_ready += len(next_ch.read_some(m_count - grads_ready))
                     else:
                         grad_recvs[m].wait()
-                    started = clock()
-                    torch.autograd.backward(outputs[m], grad_bufs[m])
+                    grad_out = grad_bufs[m]
+                started = clock()
+                split = split and self._backward_input(outputs[m], grad_out, stage_inputs[m])
+                if not split:
+                    torch.autograd.backward(outputs[m], grad_out)
                 busy += clock() - started
                 if not self.is_first:
                     grad = stage_inputs[m].grad
@@ -238,7 +301,17 @@ class LeanPipeline:
                     else:
                         grad = grad.contiguous()
                         sends.append((dist.isend(grad, prev, group=group, tag=2 + 2 * m), grad))
+                if split:
+                    now = clock()
+                    trace.append(("B", m, now - mark))
+                    mark = now
+                    self._backward_weights(outputs[m], grad_out)
+                    busy += clock() - now
+                    kind = "W"  # the trace's record of the weights' part
                 outputs[m] = stage_inputs[m] = None
+            now = clock()
+            trace.append((kind, m, now - mark))
+            mark = now
         for work, _ in sends:
             work.wait()
         if not known:
@@ -250,9 +323,37 @@ class LeanPipeline:
             if next_ch is not None:
                 next_ch.open_region(key, [(tuple(b.shape), b.dtype) for b in grad_bufs])
         self.last_busy_s = busy
+        self.last_trace = trace
+        trace.append(("E", -1, clock() - mark))
         if self.dp_group is not None:
             average_gradients(self.module, self.dp_group)
         return total_loss if self.is_last else None
+
+    def _backward_input(self, output: torch.Tensor, grad: torch.Tensor | None,
+                        stage_input: torch.Tensor) -> bool:
+        """The gradient of ``stage_input`` alone, into its ``.grad``, keeping the graph for
+        ``_backward_weights``. Returns False (nothing computed: run the plain backward,
+        as every later step will) when the input takes no gradient or the graph cannot be
+        differentiated twice.
+
+        Why by hand: the input part skips every weight-gradient product and the weights'
+        part then redoes only the chain's input-side products it needs (for an MLP stage
+        0.9 + 2.1 ms against 2.2 ms in one pass, of which only the 0.9 delays the previous
+        stage); torch's own split (``pipelining._backward``, for its zero-bubble
+        schedules) walks the graph in Python and took 1.3 + 2.5 ms."""
+        if not stage_input.requires_grad or not self._params:
+            return False
+        try:
+            (stage_input.grad,) = torch.autograd.grad(output, [stage_input], grad,
+                                                      retain_graph=True, allow_unused=False)
+        except RuntimeError:
+            self._split_last = False
+            return False
+        return True
+
+    def _backward_weights(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The weights' gradients after ``_backward_input`` (accumulated into ``.grad``)."""
+        torch.autograd.backward(output, grad, inputs=self._params)
 
     def _send_description(self, tensor: torch.Tensor, dst: int, m: int) -> None:
         if tensor.dim() > _HEADER_LEN - 2:
