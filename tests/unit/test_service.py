@@ -484,3 +484,50 @@ def test_cancel_gives_the_stop_grace_unless_no_checkpoint(svc, checkpoint, grace
     svc.cancel(job.id, checkpoint=checkpoint)
     (stopping,) = launches_of(svc, n1)
     assert stopping.desired == "stop" and stopping.stop_grace_s == grace
+
+
+def test_async_submits_share_commits_and_each_gets_its_own_row_and_error(svc):
+    import asyncio
+
+    from sqlalchemy import event
+
+    add_node(svc, "a", cpus=2)
+    job_inserts = []
+    event.listen(svc.engine, "before_cursor_execute",
+                 lambda conn, cur, statement, *a: job_inserts.append(1) if statement.startswith("INSERT INTO jobs") else None)
+
+    async def one(i: int):
+        try:
+            return await svc.submit_async(spec(workers=99 if i == 17 else 1, name=f"j{i}"), None, "u")
+        except Unschedulable as exc:
+            return exc
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(60)))
+
+    results = asyncio.run(main())
+    assert isinstance(results[17], Unschedulable) and "99 workers" in str(results[17])
+    infos = [r for i, r in enumerate(results) if i != 17]
+    assert len({info.id for info in infos}) == 59
+    for i, info in enumerate(results):
+        if i == 17:
+            continue
+        stored = svc.get_job(info.id)  # the id handed back names the row holding this request's spec
+        assert stored.name == info.name == f"j{i}" and stored.state == JobState.QUEUED
+        assert [e.message for e in stored.events] == ["submitted"]
+    assert len(job_inserts) < 59  # batched: one multi-row INSERT per group of waiting requests
+    assert svc.job_count() == 59
+
+
+def test_job_list_shows_placements_like_a_single_job(svc):
+    add_node(svc, "a", cpus=1)
+    add_node(svc, "b", cpus=1)
+    wide = svc.submit(spec(workers=2, name="wide"), None, None)
+    svc.tick()
+    waiting = svc.submit(spec(workers=1, name="waits"), None, None)
+    svc.tick()
+    listed = {info.id: info for info in svc.list_jobs()}  # placements read for the page at once
+    assert sorted(p.node_name for p in listed[wide.id].placement) == ["a", "b"]
+    assert listed[waiting.id].placement == [] and listed[waiting.id].state == JobState.QUEUED
+    for job_id, info in listed.items():
+        assert info.placement == svc.get_job(job_id).placement

@@ -120,7 +120,10 @@ class RelayClient:
         if upload:
             bundle = self.upload_bundle(Path(base_dir) / spec.workdir)
         body = SubmitRequest(spec=spec.to_public(), bundle=bundle)
-        return JobInfo.model_validate(self._request("POST", "/jobs", json=body.model_dump()).json())
+        # pydantic's own JSON in both directions: no intermediate dicts through the json module
+        resp = self._request("POST", "/jobs", content=body.model_dump_json(),
+                             headers={"content-type": "application/json"})
+        return JobInfo.model_validate_json(resp.content)
 
     def jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
         params: dict[str, Any] = {"limit": limit}

@@ -88,8 +88,9 @@ def create_app(service: ClusterService) -> FastAPI:
     # ------------------------------------------------------------ jobs
 
     @api.post("/jobs", response_model=JobInfo, status_code=201)
-    def submit(body: SubmitRequest, request: Request) -> Response:
-        info = svc.submit(body.spec, body.bundle, request.headers.get("x-relay-user"))
+    async def submit(body: SubmitRequest, request: Request) -> Response:
+        """Returns once the job is committed; concurrent submissions share one commit."""
+        info = await svc.submit_async(body.spec, body.bundle, request.headers.get("x-relay-user"))
         # serialized once here: returning the model would have FastAPI validate it again
         return Response(content=info.model_dump_json(), media_type="application/json", status_code=201)
 

@@ -20,11 +20,14 @@ attempt placed like a queued job) while restarts are left, else FAILED naming th
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import signal
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -97,7 +100,10 @@ class _Brief:
 
 @dataclass(slots=True)
 class _PendingSubmit:
-    """A validated submission waiting to be written; ``info`` or ``error`` once ``done``."""
+    """A validated submission waiting to be written; ``info`` or ``error`` once ``done``.
+
+    ``future`` (with its ``loop``) is set for ``submit_async`` callers: it is resolved on that
+    loop once the ticket is done."""
 
     spec: JobSpec
     public: dict[str, Any]
@@ -106,6 +112,18 @@ class _PendingSubmit:
     done: bool = False
     info: JobInfo | None = None
     error: BaseException | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
+
+
+def _resolve_futures(tickets: list[_PendingSubmit]) -> None:
+    """On the tickets' event loop: hand each waiting ``submit_async`` its JobInfo or error."""
+    for ticket in tickets:
+        if ticket.future is not None and not ticket.future.done():  # done: its request went away
+            if ticket.error is not None:
+                ticket.future.set_exception(ticket.error)
+            else:
+                ticket.future.set_result(ticket.info)
 
 
 class ClusterService:
@@ -126,13 +144,19 @@ class ClusterService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._spec_cache: dict[int, JobSpec] = {}
+        self._queued_cache: dict[int, policy.QueuedJob] = {}  # job seq -> the policy's view while it waits
+        self._env_cache: dict[int, dict[str, str]] = {}  # job seq -> its launches' spec-derived environment
         self.quotas = quotas or QuotaTable()
         # job seq -> (attempt, server time it was placed): what max_runtime_s counts from
         self._attempt_started: dict[int, tuple[int, float]] = {}
         self._ready_nodes: tuple[policy.NodeView, ...] | None = None  # None: read again
         self._pending: list[_PendingSubmit] = []  # submissions waiting for the group commit
         self._pending_lock = threading.Lock()
+        self._flush_queued = False  # a write of ``_pending`` is queued on ``_writer`` (under _pending_lock)
+        self._writer: ThreadPoolExecutor | None = None  # one thread: writes for ``submit_async``
         self.min_tick_interval_s = 0.02  # a burst of submits shares one scheduling cycle
+        self._check_interval_s = min(0.25, tick_s / 2)  # lost nodes, hangs, runtimes: see ``tick``
+        self._last_checks = float("-inf")
 
     # ------------------------------------------------------------ background loop
 
@@ -154,6 +178,10 @@ class ClusterService:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        with self._pending_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)  # submissions already accepted for writing are written
         self.engine.dispose()
 
     def _loop(self) -> None:
@@ -176,25 +204,24 @@ class ClusterService:
     def tick(self) -> None:
         """One control-loop step: mark lost nodes, then schedule. Idempotent."""
         with self._lock, self._sessions.begin() as s:
-            self._mark_lost_nodes(s)
-            self._check_progress(s)
-            self._check_runtime(s)
+            now = self.clock()
+            # The three checks only find something once the clock has moved past a deadline
+            # (last heartbeat, last metric, placement time), so while jobs come and go quickly
+            # and cycles run every few tens of ms they are run at most every ``_check_interval_s``.
+            if not 0 <= now - self._last_checks < self._check_interval_s:  # (a clock set back: run)
+                self._last_checks = now
+                self._mark_lost_nodes(s)
+                self._check_progress(s)
+                self._check_runtime(s)
             self._schedule(s)
 
     # ------------------------------------------------------------ jobs
 
     def submit(self, spec_data: dict[str, Any], bundle: str | None, user: str | None) -> JobInfo:
-        """Validate and queue a job. Raises InvalidSpec, NotFound (bundle), Unschedulable."""
-        spec = JobSpec.parse(spec_data)
-        if bundle is not None and not self.store.exists(ArtifactStore.bundle_key(bundle)):
-            raise NotFound(f"bundle {bundle} was not uploaded; POST it to /api/v1/bundles first")
-        if spec.user is None and user:
-            spec = spec.model_copy(update={"user": user})
-        probe = queued_job(JobRow(seq=0, priority=spec.priority, user=spec.user), spec)
-        problem = policy.job_problem(probe)
-        if problem:
-            raise InvalidSpec(f"job {spec.name!r}: {problem}")
-        ticket = _PendingSubmit(spec=spec, public=spec.to_public(), bundle=bundle, probe=probe)
+        """Validate and queue a job; returns once it is committed to the store. Blocks (the
+        write); any thread. Raises InvalidSpec, NotFound (bundle), Unschedulable."""
+        ticket = self._validated(spec_data, bundle, user)
+        self._check_bundle(bundle)
         with self._pending_lock:
             self._pending.append(ticket)
         with self._lock:  # group commit: the first to get the lock writes every pending submission
@@ -202,17 +229,61 @@ class ClusterService:
                 self._write_pending_submits()
         if ticket.error is not None:
             raise ticket.error
-        self.notifier.bump("jobs")
-        self._kick()
         assert ticket.info is not None
         return ticket.info
+
+    async def submit_async(self, spec_data: dict[str, Any], bundle: str | None, user: str | None) -> JobInfo:
+        """``submit`` for an event loop: the same contract, and the loop is never blocked.
+
+        Validation runs inline (tens of microseconds); the write runs on the service's one
+        writer thread, which commits every submission pending at that moment in one
+        transaction, so concurrent requests share a commit (group commit) without a thread
+        each. Returns once this job is committed."""
+        ticket = self._validated(spec_data, bundle, user)
+        if bundle is not None:
+            await asyncio.to_thread(self._check_bundle, bundle)  # the store may be remote
+        ticket.loop = asyncio.get_running_loop()
+        ticket.future = ticket.loop.create_future()
+        with self._pending_lock:
+            self._pending.append(ticket)
+            if not self._flush_queued:
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-submit-writer")
+                self._writer.submit(self._flush_pending_submits)
+                self._flush_queued = True
+        return await ticket.future
+
+    def _validated(self, spec_data: dict[str, Any], bundle: str | None, user: str | None) -> "_PendingSubmit":
+        """The submission as a ticket ready to write. No I/O. Raises InvalidSpec."""
+        spec = JobSpec.parse(spec_data)
+        if spec.user is None and user:
+            spec = spec.model_copy(update={"user": user})
+        probe = queued_job(JobRow(seq=0, priority=spec.priority, user=spec.user), spec)
+        problem = policy.job_problem(probe)
+        if problem:
+            raise InvalidSpec(f"job {spec.name!r}: {problem}")
+        return _PendingSubmit(spec=spec, public=spec.to_public(), bundle=bundle, probe=probe)
+
+    def _check_bundle(self, bundle: str | None) -> None:
+        if bundle is not None and not self.store.exists(ArtifactStore.bundle_key(bundle)):
+            raise NotFound(f"bundle {bundle} was not uploaded; POST it to /api/v1/bundles first")
+
+    def _flush_pending_submits(self) -> None:
+        """The writer thread's task: write whatever is pending (it may be nothing: a ``submit``
+        caller may have written it already)."""
+        with self._lock:
+            self._write_pending_submits()
 
     def _write_pending_submits(self) -> None:
         """Insert every queued submission in one transaction (caller holds ``_lock``). Concurrent
         submits wait on the lock anyway; writing them together costs one commit and one
-        executemany instead of one each. Each ticket gets its JobInfo or its error."""
+        executemany instead of one each. Each ticket gets its JobInfo or its error; waiting
+        ``submit_async`` callers are resolved on their loops; one scheduling pass is asked for."""
         with self._pending_lock:
             tickets, self._pending = self._pending, []
+            self._flush_queued = False
+        if not tickets:
+            return
         try:
             with self._sessions.begin() as s:
                 nodes = self._ready_node_views(s)
@@ -222,18 +293,33 @@ class ClusterService:
                         ticket.error = Unschedulable(self._never_fits_message(ticket.spec, list(nodes)))
                     else:
                         good.append(ticket)
-                if good:
-                    self._insert_jobs(s, good)
+                written = self._insert_jobs(s, good) if good else []
+            # only once committed: a rolled-back insert's seq may be handed out again
+            for ticket, seq in written:
+                self._spec_cache[seq] = ticket.spec
+                self._queued_cache[seq] = dataclasses.replace(ticket.probe, job_id=job_id_of(seq), submit_seq=seq)
         except BaseException as exc:  # nothing was written: every ticket without its own error gets this one
             for ticket in tickets:
                 if ticket.error is None:
                     ticket.info, ticket.error = None, exc
             raise
         finally:
+            waiting: dict[asyncio.AbstractEventLoop, list[_PendingSubmit]] = {}
             for ticket in tickets:
                 ticket.done = True
+                if ticket.loop is not None:
+                    waiting.setdefault(ticket.loop, []).append(ticket)
+            for loop, group in waiting.items():  # one wake-up per loop, not one per request
+                try:
+                    loop.call_soon_threadsafe(_resolve_futures, group)
+                except RuntimeError:  # loop closed at shutdown: nobody waits any more
+                    pass
+            if any(t.error is None for t in tickets):
+                self.notifier.bump("jobs")
+                self._kick()
 
-    def _insert_jobs(self, s: Session, tickets: list["_PendingSubmit"]) -> None:
+    def _insert_jobs(self, s: Session, tickets: list["_PendingSubmit"]) -> list[tuple["_PendingSubmit", int]]:
+        """Insert the jobs and their first events; set each ticket's ``info``. Returns (ticket, seq)."""
         # Core inserts and JobInfos built from what was written: the ORM's unit of work and a
         # read-back cost more than the inserts themselves (see bench/scheduler.py part b)
         now = self.clock()
@@ -241,17 +327,25 @@ class ClusterService:
         rows = [dict(name=t.spec.name, user=t.spec.user, state=JobState.QUEUED.value, spec=t.public, bundle=t.bundle,
                      priority=t.spec.priority, submitted_at=now, attempt=0, restarts=0, restart_reasons=[],
                      last_metrics={}, requeue=False) for t in tickets]
-        result = conn.execute(insert(JobRow.__table__).returning(JobRow.__table__.c.seq, sort_by_parameter_order=True),
-                              rows)
-        seqs = [r[0] for r in result]
+        table = JobRow.__table__
+        if conn.dialect.name == "sqlite":
+            # One multi-row INSERT ... RETURNING. SQLite gives each new row one more than the
+            # table's largest rowid as it inserts the VALUES rows in order, so ascending seqs
+            # are the rows in parameter order; only the order RETURNING lists them in is not
+            # defined. (SQLAlchemy's sort_by_parameter_order cannot prove that for SQLite and
+            # falls back to one INSERT per row.)
+            seqs = sorted(r[0] for r in conn.execute(insert(table).returning(table.c.seq), rows))
+        else:
+            seqs = [r[0] for r in conn.execute(insert(table).returning(table.c.seq, sort_by_parameter_order=True),
+                                               rows)]
         conn.execute(insert(EventRow.__table__), [dict(job_seq=seq, time=now, state=JobState.QUEUED.value,
                                                        message="submitted") for seq in seqs])
         for ticket, seq in zip(tickets, seqs):
-            self._spec_cache[seq] = ticket.spec
             ticket.info = JobInfo(id=job_id_of(seq), name=ticket.spec.name, user=ticket.spec.user,
                                   state=JobState.QUEUED, spec=ticket.public, bundle=ticket.bundle,
                                   priority=ticket.spec.priority, submitted_at=now, attempt=0, restarts=0,
                                   events=[JobEvent(time=now, state=JobState.QUEUED, message="submitted")])
+        return list(zip(tickets, seqs))
 
     def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
         with self._sessions() as s:
@@ -263,7 +357,17 @@ class ClusterService:
                     raise InvalidSpec(f"state {bad[0]!r} is not a job state; use one of "
                                       f"{', '.join(JobState.__members__)}")
                 q = q.where(JobRow.state.in_(states))
-            return [self._job_info(s, row) for row in s.scalars(q)]
+            rows = list(s.scalars(q))
+            # node names and placements for the whole page in two queries, not two per job
+            names = {n.id: n.name for n in s.scalars(select(NodeRow))}
+            placed: dict[tuple[int, int], list[LaunchRow]] = {}
+            placed_seqs = [row.seq for row in rows if row.attempt]
+            for chunk in range(0, len(placed_seqs), 500):
+                for x in s.scalars(select(LaunchRow).where(LaunchRow.job_seq.in_(placed_seqs[chunk:chunk + 500]))
+                                   .order_by(LaunchRow.node_rank)):
+                    placed.setdefault((x.job_seq, x.attempt), []).append(x)
+            return [self._job_info(s, row, names=names, launches=placed.get((row.seq, row.attempt), []))
+                    for row in rows]
 
     def get_job(self, job_id: str) -> JobInfo:
         with self._sessions() as s:
@@ -370,27 +474,35 @@ class ClusterService:
                 if launch.id not in reported:
                     self._launch_exited(s, launch, LaunchStatus(
                         state="exited", succeeded=False, message="the agent no longer runs this launch"))
+            # in the same transaction: the version is read under the lock before the launches, so
+            # a change made after this reply bumps past it and wakes the agent's next long-poll
+            reply = self._desired(s, node, self.notifier.version(f"node:{node_id}"))
         if was_lost:
             self._kick()
-        return self.desired(node_id)
+        return reply
 
     def touch(self, node_id: str) -> None:
         """Record the node as seen now (the end of a long-poll heartbeat)."""
+        now = self.clock()
         with self._lock, self._sessions.begin() as s:
             node = s.get(NodeRow, node_id)
-            if node is not None and node.state == "READY":
-                node.last_seen = max(node.last_seen, self.clock())
+            # a write per long-poll is not needed: LOST is decided at heartbeat_timeout_s scale
+            if node is not None and node.state == "READY" and node.last_seen < now - self.heartbeat_timeout_s / 20:
+                node.last_seen = now
 
     def desired(self, node_id: str) -> HeartbeatReply:
+        """The node's launches as its agent should run them, with the version they are as of."""
         version = self.notifier.version(f"node:{node_id}")
         with self._sessions() as s:
             node = s.get(NodeRow, node_id)
             if node is None:
                 raise NotFound(f"node {node_id} is not registered; register it again")
-            launches = s.scalars(select(LaunchRow).where(LaunchRow.node_id == node_id,
-                                                          LaunchRow.state != "exited")).all()
-            return HeartbeatReply(version=version, node_state=node.state,  # type: ignore[arg-type]
-                                  launches=[self._assignment(s, launch) for launch in launches])
+            return self._desired(s, node, version)
+
+    def _desired(self, s: Session, node: NodeRow, version: int) -> HeartbeatReply:
+        launches = s.scalars(select(LaunchRow).where(LaunchRow.node_id == node.id, LaunchRow.state != "exited")).all()
+        return HeartbeatReply(version=version, node_state=node.state,  # type: ignore[arg-type]
+                              launches=self._assignments(s, list(launches)))
 
     def list_nodes(self) -> list[NodeInfo]:
         with self._sessions() as s:
@@ -544,6 +656,8 @@ class ClusterService:
             row.waiting_reason = None
             # a finished job is never scheduled again: its cached spec and attempt clock go
             self._spec_cache.pop(row.seq, None)
+            self._queued_cache.pop(row.seq, None)
+            self._env_cache.pop(row.seq, None)
             self._attempt_started.pop(row.seq, None)
         s.add(EventRow(job_seq=row.seq, time=now, state=target.value, message=message))
         self.notifier.bump(f"job:{row.seq}")
@@ -576,10 +690,13 @@ class ClusterService:
         The time counts from the attempt's placement: that is when its resources were taken,
         and what the policy's reservations assume."""
         now = self.clock()
-        for row in s.scalars(select(JobRow).where(JobRow.state.in_(
+        for seq, in s.execute(select(JobRow.seq).where(JobRow.state.in_(
                 (JobState.SCHEDULED.value, JobState.RUNNING.value, JobState.RESTARTING.value)))):
-            limit = self._spec(row).max_runtime_s
-            if not limit or row.requeue:
+            limit = self._spec_of(s, seq).max_runtime_s
+            if not limit:  # most jobs declare none: no row is loaded for them
+                continue
+            row = s.get(JobRow, seq)
+            if row.requeue:
                 continue
             started = self._attempt_start(s, row)
             if started is None or now - started <= limit:
@@ -756,8 +873,11 @@ class ClusterService:
                     max_runtime_s=spec.max_runtime_s,
                     preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
-                queue.append(queued_job(brief, spec))  # type: ignore[arg-type]
-                rows[brief.id] = (brief, spec)
+                job = self._queued_cache.get(brief.seq)
+                if job is None:  # what the policy is told of a waiting job never changes
+                    job = self._queued_cache[brief.seq] = queued_job(brief, spec)  # type: ignore[arg-type]
+                queue.append(job)
+                rows[job.job_id] = (brief, spec)
         quotas = self.quotas.for_users([a.user for a in running] + [q.user for q in queue])
         inp = policy.SchedulerInput(nodes=tuple(nodes), running=tuple(running), queue=tuple(queue),
                                     now=self.clock(), quotas=quotas)
@@ -787,7 +907,8 @@ class ClusterService:
         inp, rows = self._policy_input(s)
         if not inp.queue:
             return
-        decisions = policy.schedule(inp)
+        # start estimates are for `relay queue` (queue_view) only: a tick does not pay for them
+        decisions = policy.schedule(dataclasses.replace(inp, estimate_limit=0))
         by_id = {n.id: n for n in s.scalars(select(NodeRow))} if decisions.placements else {}
         for placement in decisions.placements:
             brief, spec = rows[placement.job_id]
@@ -836,41 +957,66 @@ class ClusterService:
 
     # ------------------------------------------------------------ internals: views
 
-    def _assignment(self, s: Session, launch: LaunchRow) -> LaunchAssignment:
-        row = s.get(JobRow, launch.job_seq)
-        spec = self._spec(row)
-        head = s.scalars(select(LaunchRow).where(LaunchRow.job_seq == launch.job_seq,
-                                                 LaunchRow.attempt == launch.attempt,
-                                                 LaunchRow.node_rank == 0)).first()
-        head_node = s.get(NodeRow, head.node_id) if head else None
-        env = dict(spec.env)
-        env["RELAY_STRATEGY"] = json.dumps(spec.strategy.model_dump(mode="json"))
-        env["RELAY_CHECKPOINT"] = json.dumps(spec.checkpoint.model_dump(mode="json", by_alias=True))
-        env["RELAY_JOB_NAME"] = spec.name
-        env["RELAY_WORKERS"] = str(spec.workers)
-        # what was granted, which for accelerator "prefer" may be CPUs although GPUs were asked for
-        env["RELAY_ACCELERATOR"] = "gpu" if launch.gpu else "cpu"
-        env["RELAY_GPUS_PER_WORKER"] = str(launch.gpu)
-        node = s.get(NodeRow, launch.node_id)
-        if launch.gpu and node is not None and node.gpu_type:
-            env["RELAY_GPU_TYPE"] = node.gpu_type
-        return LaunchAssignment(
-            launch_id=launch.id, job_id=row.id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
-            stop_reason=launch.stop_reason,
-            stop_grace_s=spec.stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s, node_rank=launch.node_rank, nnodes=launch.nnodes,
-            nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
-            master_addr=head_node.address if head_node else None,
-            master_port=head.master_port if head else None,
-            entrypoint=spec.argv, bundle=row.bundle, env=env, store_url=self.store.url,
-            job_store_prefix=ArtifactStore.job_prefix(row.id))
+    def _assignments(self, s: Session, launches: list[LaunchRow]) -> list[LaunchAssignment]:
+        """What the agent is told of each launch. Reads the launches' jobs, their head launches
+        and the nodes in three queries whatever the count (a heartbeat reply lists them all)."""
+        if not launches:
+            return []
+        seqs = sorted({x.job_seq for x in launches})
+        jobs = {r.seq: r for r in s.execute(select(JobRow.seq, JobRow.bundle).where(JobRow.seq.in_(seqs)))}
+        heads = {(h.job_seq, h.attempt): h for h in s.execute(
+            select(LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.master_port)
+            .where(LaunchRow.job_seq.in_(seqs), LaunchRow.node_rank == 0))}
+        nodes = {n.id: n for n in s.execute(select(NodeRow.id, NodeRow.address, NodeRow.gpu_type))}
+        out = []
+        for launch in launches:
+            spec = self._spec_of(s, launch.job_seq)
+            head = heads.get((launch.job_seq, launch.attempt))
+            head_node = nodes.get(head.node_id) if head else None
+            env = dict(self._static_env(launch.job_seq, spec))
+            # what was granted, which for accelerator "prefer" may be CPUs although GPUs were asked for
+            env["RELAY_ACCELERATOR"] = "gpu" if launch.gpu else "cpu"
+            env["RELAY_GPUS_PER_WORKER"] = str(launch.gpu)
+            node = nodes.get(launch.node_id)
+            if launch.gpu and node is not None and node.gpu_type:
+                env["RELAY_GPU_TYPE"] = node.gpu_type
+            job_id = job_id_of(launch.job_seq)
+            out.append(LaunchAssignment(
+                launch_id=launch.id, job_id=job_id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
+                stop_reason=launch.stop_reason,
+                stop_grace_s=spec.stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s,
+                node_rank=launch.node_rank, nnodes=launch.nnodes,
+                nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
+                master_addr=head_node.address if head_node else None,
+                master_port=head.master_port if head else None,
+                entrypoint=spec.argv, bundle=jobs[launch.job_seq].bundle, env=env, store_url=self.store.url,
+                job_store_prefix=ArtifactStore.job_prefix(job_id)))
+        return out
 
-    def _job_info(self, s: Session, row: JobRow, events: bool = False) -> JobInfo:
+    def _static_env(self, seq: int, spec: JobSpec) -> dict[str, str]:
+        """The part of a launch's environment that only depends on the job's spec (cached with it)."""
+        env = self._env_cache.get(seq)
+        if env is None:
+            env = dict(spec.env)
+            env["RELAY_STRATEGY"] = json.dumps(spec.strategy.model_dump(mode="json"))
+            env["RELAY_CHECKPOINT"] = json.dumps(spec.checkpoint.model_dump(mode="json", by_alias=True))
+            env["RELAY_JOB_NAME"] = spec.name
+            env["RELAY_WORKERS"] = str(spec.workers)
+            self._env_cache[seq] = env
+        return env
+
+    def _job_info(self, s: Session, row: JobRow, events: bool = False, names: dict[str, str] | None = None,
+                  launches: list[LaunchRow] | None = None) -> JobInfo:
+        """The job as the API shows it; ``names`` (node id -> name) and ``launches`` (its current
+        attempt's) are read here unless the caller read them for many jobs at once."""
         placement = []
         if row.attempt:
-            names = {n.id: n.name for n in s.scalars(select(NodeRow))}
+            if names is None:
+                names = {n.id: n.name for n in s.scalars(select(NodeRow))}
+            if launches is None:
+                launches = self._attempt_launches(s, row.seq, row.attempt)
             placement = [PlacementInfo(node_id=x.node_id, node_name=names.get(x.node_id, x.node_id),
-                                       node_rank=x.node_rank, workers=x.nproc)
-                         for x in self._attempt_launches(s, row.seq, row.attempt)]
+                                       node_rank=x.node_rank, workers=x.nproc) for x in launches]
         evs = []
         if events:
             evs = [JobEvent(time=e.time, state=JobState(e.state), message=e.message)
