@@ -531,3 +531,25 @@ def test_job_list_shows_placements_like_a_single_job(svc):
     assert listed[waiting.id].placement == [] and listed[waiting.id].state == JobState.QUEUED
     for job_id, info in listed.items():
         assert info.placement == svc.get_job(job_id).placement
+
+
+def test_a_restart_fences_the_checkpoints_of_the_replaced_attempt(svc, tmp_path):
+    import torch
+
+    from torchrelay.errors import StaleAttempt
+    from torchrelay.storage import ArtifactStore
+    from torchrelay.train.checkpoint import CheckpointStore
+
+    n1 = add_node(svc, "a")
+    job, _ = running_job(svc, n1)
+    fence = ArtifactStore.attempt_key(job.id)
+    assert not svc.store.exists(fence)  # a first attempt has nothing older to fence off
+    n2 = add_node(svc, "b")
+    lose_node(svc, n2)
+    svc.tick()
+    assert launches_of(svc, n2)[0].attempt == 2
+    assert svc.store.get_bytes(fence) == b"2"
+    # the orphan on the partitioned node "a" (attempt 1) can no longer commit; attempt 2 can
+    with pytest.raises(StaleAttempt):
+        CheckpointStore(svc.store, job.id, attempt=1).save({"x": torch.ones(1)}, 7)
+    CheckpointStore(svc.store, job.id, attempt=2).save({"x": torch.ones(1)}, 3)

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import signal
 import threading
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from torchrelay import scheduler as policy
-from torchrelay.errors import InvalidSpec, NotFound, Unschedulable
+from torchrelay.errors import InvalidSpec, NotFound, StorageError, Unschedulable
 from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.store import (CursorRow, EventRow, JobRow, LaunchRow, LogRow, MetricRow, NodeRow,
@@ -931,6 +932,8 @@ class ClusterService:
         row.waiting_reason = None
         row.last_progress_at = None
         self._attempt_started[row.seq] = (row.attempt, self.clock())
+        if row.attempt > 1:
+            self._fence_checkpoints(row)
         world = sum(n for _, n in placement.placement)
         offset = 0
         for node_rank, (node_id, nproc) in enumerate(placement.placement):
@@ -954,6 +957,15 @@ class ClusterService:
             s.add(EventRow(job_seq=row.seq, time=self.clock(), state=row.state,
                            message=f"attempt {row.attempt} placed on {names}"))
             self.notifier.bump(f"job:{row.seq}")
+
+    def _fence_checkpoints(self, row: JobRow) -> None:
+        """Write the job's new attempt where checkpoint commits look (see torchrelay.train.checkpoint):
+        workers of an older attempt still running on a node that lost contact can no longer
+        commit or prune. Only restarts need it (attempt 1 has nothing older to fence off)."""
+        try:
+            self.store.put_bytes(ArtifactStore.attempt_key(row.id), str(row.attempt).encode())
+        except (StorageError, OSError) as exc:
+            logging.getLogger("torchrelay.server").warning("job %s: could not write the checkpoint fence for attempt %d: %s", row.id, row.attempt, exc)
 
     # ------------------------------------------------------------ internals: views
 
