@@ -19,7 +19,10 @@
     (head ≈ half) did not widen the gap, because the best cut can no longer balance the
     stages at block granularity. Step time of the profiled automatic plan against the
     equal-layer split and against the fastest of all 11 contiguous 2-stage splits, each
-    measured (an exhaustive search).
+    measured (an exhaustive search). ``auto_cut`` / ``best_cut_replay`` name the plan's cut
+    and the fastest cut by replay; ``auto_cut_vs_best_replay`` compares the two cuts' own
+    configurations, which says whether the plan chose well without the run-to-run noise
+    between two separately built pipelines of the same plan.
 (c) prediction_error: the plan's predicted compute time per micro-batch of each stage over
     the time the stage really computed per micro-batch in the pipeline (largest |ratio - 1|).
 (d) plan_s_100x8: planning time for 100 blocks on 8 stages.
@@ -390,6 +393,11 @@ def main() -> None:
             "auto_vs_best_replay": round(rep_b["lm auto"] / rep_cut[rep_best], 3),
             "auto_vs_equal_cpu_estimate": round(cpu_cut[equal_cut] / cpu_auto, 3),
             "auto_vs_best_cpu_estimate": round(cpu_auto / cpu_cut[cpu_best], 3),
+            # the cut the plan chose, the fastest cut by replay, and the chosen cut's own
+            # configuration replayed against that best (same plan as "auto", other process
+            # state: their difference is the run's noise)
+            "auto_cut": auto_cut, "best_cut_replay": rep_best,
+            "auto_cut_vs_best_replay": round(rep_cut[auto_cut] / rep_cut[rep_best], 3),
         })
         m = LM["microbatches"]
         errors = []

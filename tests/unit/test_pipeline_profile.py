@@ -1,13 +1,16 @@
 """The block profiler measures real sizes and leaves meta blocks on meta."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
 
 from torchrelay.train.pipeline.meta import build_on_meta, is_on_meta
 from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss
-from torchrelay.train.pipeline.profile import profile_blocks, windows_by_bytes
+from torchrelay.train.pipeline.profile import (_time_window, profile_blocks, trimmed_mean,
+                                             windows_by_bytes)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,3 +81,57 @@ def test_chained_profile_in_windows_matches_one_window_in_everything_but_time():
         assert (a.name, a.out_bytes, a.param_bytes, a.stash_bytes) == \
             (b.name, b.out_bytes, b.param_bytes, b.stash_bytes)
         assert a.time_s > 0 and b.time_s > 0
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([], 0.0),
+    ([5.0], 5.0),
+    ([1.0, 2.0, 3.0, 4.0], 2.5),                   # fewer than 5: nothing trimmed
+    ([100.0, 1.0, 2.0, 3.0, 4.0], 3.0),             # one of five trimmed at each end
+    ([20.0, 30.0, 21.0, 29.0, 22.0, 31.0, 0.0, 99.0, 25.0, 26.0], 25.5),  # bimodal, 2 bursts
+])
+def test_trimmed_mean_drops_a_fifth_at_each_end(values, expected):
+    assert trimmed_mean(values) == pytest.approx(expected)
+
+
+class _Recorder(nn.Module):
+    """Logs its forwards and the backwards through it, in order."""
+
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        self.log.append("F")
+        out = x * self.weight
+        out.register_hook(lambda g: self.log.append("B"))
+        return out
+
+
+@pytest.mark.parametrize("in_flight, expected", [
+    (0, "FBFBFB"),
+    (1, "FFBFBFB"),          # 1F1B on a stage with one more micro-batch in flight
+    (2, "FFFBFBFB"),
+])
+def test_window_timing_interleaves_forwards_as_1f1b_does(in_flight, expected):
+    log: list[str] = []
+    samples = _time_window([_Recorder(log)], torch.randn(3), None, torch.device("cpu"),
+                           time.perf_counter, runs=3, in_flight=in_flight)
+    assert "".join(log) == expected
+    assert [len(s) for s in samples] == [3]
+
+
+def test_profile_runs_the_window_that_ends_the_model_without_interleaving():
+    log: list[str] = []
+    blocks = [_Recorder(log), _Recorder(log)]
+    profile_blocks(blocks, torch.randn(3), warmup=0, repeats=2, window_bytes=1,
+                   loss_fn=lambda out, target: (out - target).pow(2).sum(),
+                   sample_target=torch.zeros(3), in_flight=1)
+    # block 0's window (not last): F F B F B after the stash pass's F; block 1's: F B F B
+    assert "".join(log) == "F" + "FFBFB" + "F" + "FBFB"
+
+
+def test_profile_refuses_a_negative_in_flight():
+    with pytest.raises(ValueError, match="in_flight=-1"):
+        profile_blocks([nn.Linear(2, 2)], torch.randn(1, 2), in_flight=-1)

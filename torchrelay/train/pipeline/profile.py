@@ -2,18 +2,23 @@
 
 Contract:
 - ``profile_blocks(blocks, sample, device, ...)`` returns one ``BlockCost`` per block for one
-  micro-batch ``sample``: median forward+backward seconds, the bytes of the activation it
+  micro-batch ``sample``: forward+backward seconds (the mean of the middle 60% of
+  ``repeats`` samples, ``trimmed_mean``), the bytes of the activation it
   outputs, the bytes autograd keeps for its backward (counted through saved-tensor hooks,
   parameters excluded) and parameter+gradient+optimizer-state bytes (the optimizer is built
   with ``optimizer_factory`` and stepped once, so its state is measured, not assumed).
-- Blocks are timed **chained, as a stage runs them**: each repetition runs a window of
-  consecutive blocks forward in order (each block's input its predecessor's output,
-  detached, so the block's own time can be read) and then backward in reverse order, so
-  between a block's forward and its backward the other blocks run and push its weights and
-  activations out of the caches, as in a pipeline stage. (Timing each block alone, with its
-  weights hot from the previous repetition, under-predicted a stage of embedding + layers
-  by 10–17%.) Repetitions interleave the blocks, so a burst of load from other processes
-  hits every block of a repetition alike rather than one block's whole sample.
+- Blocks are timed **chained, as a 1F1B stage runs them**: a window of consecutive blocks
+  runs forward in order (each block's input its predecessor's output, detached, so the
+  block's own time can be read), then ``in_flight`` more micro-batches' forwards run before
+  its backward in reverse order, one forward per backward after that; so between a block's
+  forward and its backward the other blocks and another micro-batch's forward run, with its
+  graph alive, pushing weights and activations out of the caches as in a pipeline stage.
+  The window that ends the model (with the loss) runs forward then backward at once, as a
+  last stage does. (Timing each block alone, weights hot, under-predicted a stage of
+  embedding + layers by 10–17%; chained without the interleaving, the layers of an
+  embedding + layers stage still read ≈ 5% low against the head.) Repetitions interleave
+  the blocks, so a burst of load from other processes hits every block of a repetition
+  alike rather than one block's whole sample.
 - Blocks may live on the meta device: a window's blocks are copied, materialised on
   ``device``, measured and freed. A window holds consecutive blocks of at most
   ``window_bytes`` parameter bytes (at least one block; ``None``: no limit), so profiling
@@ -89,6 +94,19 @@ def windows_by_bytes(sizes: Sequence[int], window_bytes: int | None) -> list[ran
     return out
 
 
+def trimmed_mean(values: Sequence[float], cut: float = 0.2) -> float:
+    """Mean of ``values`` without the lowest and highest ``cut`` fraction (0.0 if empty). Pure.
+
+    Why not the median: a stage's time is the sum of its micro-batches' times, i.e. the mean,
+    and a block whose samples are bimodal (the head: big fresh buffers, 20 or 30 ms) has a
+    median that jumps between the modes from one profile to the next. Trimming still drops
+    the bursts other processes cause."""
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    kept = ordered[drop:len(ordered) - drop] or ordered
+    return statistics.fmean(kept) if kept else 0.0
+
+
 def _stash_bytes(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     param_ptrs = {p.data_ptr() for p in block.parameters()}
     seen: set[int] = set()
@@ -108,12 +126,10 @@ def _stash_bytes(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return out, total
 
 
-def _time_chain(window: list[nn.Module], x: torch.Tensor, loss: Callable | None,
-                device: torch.device, clock: Callable[[], float]) -> list[float]:
-    """One forward of ``window`` in order then its backward in reverse, block by block
-    (as a stage runs them); each block's forward + backward seconds. ``loss(out)``, when
-    given, ends the last block (its time includes it); else the last output's gradient is
-    ones."""
+def _forward_chain(window: list[nn.Module], x: torch.Tensor, device: torch.device,
+                   clock: Callable[[], float]) -> tuple[list, list, list[float]]:
+    """``window`` forward in order, each block on its predecessor's output detached (so its
+    own backward can be timed); (inputs, outputs, forward seconds per block)."""
     inputs, outputs, times = [], [], []
     for block in window:
         inp = x.detach().requires_grad_(x.is_floating_point())
@@ -124,13 +140,22 @@ def _time_chain(window: list[nn.Module], x: torch.Tensor, loss: Callable | None,
         times.append(clock() - started)
         inputs.append(inp)
         outputs.append(x)
+    return inputs, outputs, times
+
+
+def _backward_chain(inputs: list, outputs: list, loss: Callable | None,
+                    device: torch.device, clock: Callable[[], float]) -> list[float]:
+    """Backward of a forwarded chain in reverse block order; seconds per block. ``loss(out)``,
+    when given, ends the last block (its time includes it); else the last output's gradient
+    is ones."""
+    times = [0.0] * len(outputs)
     grad = None
-    for i in range(len(window) - 1, -1, -1):
+    for i in range(len(outputs) - 1, -1, -1):
         _sync(device)
         started = clock()
         if not outputs[i].requires_grad:
             pass  # nothing to differentiate (e.g. a parameter-free block on integer input)
-        elif i == len(window) - 1:
+        elif i == len(outputs) - 1:
             if loss is not None:
                 loss(outputs[i]).backward()
             else:
@@ -138,22 +163,47 @@ def _time_chain(window: list[nn.Module], x: torch.Tensor, loss: Callable | None,
         else:
             outputs[i].backward(grad if grad is not None else torch.zeros_like(outputs[i]))
         _sync(device)
-        times[i] += clock() - started
+        times[i] = clock() - started
         grad = inputs[i].grad
     return times
+
+
+def _time_window(window: list[nn.Module], x: torch.Tensor, loss: Callable | None,
+                 device: torch.device, clock: Callable[[], float], runs: int,
+                 in_flight: int) -> list[list[float]]:
+    """``runs`` forward+backward seconds per block of ``window``, as 1F1B runs a stage:
+    ``in_flight`` more micro-batches' forwards run between a micro-batch's forward and its
+    backward (their graphs alive meanwhile), then backward, one forward per backward."""
+    samples: list[list[float]] = [[] for _ in window]
+    pending: list[tuple[list, list, list[float]]] = []
+    for _ in range(runs + in_flight):
+        pending.append(_forward_chain(window, x, device, clock))
+        if len(pending) > in_flight:
+            inputs, outputs, forward_s = pending.pop(0)
+            for i, (f, b) in enumerate(zip(forward_s, _backward_chain(inputs, outputs, loss,
+                                                                      device, clock))):
+                samples[i].append(f + b)
+    return samples
 
 
 def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                    device: torch.device | str = "cpu", *,
                    optimizer_factory: Callable | None = None,
                    loss_fn: Callable | None = None, sample_target: torch.Tensor | None = None,
-                   warmup: int = 2, repeats: int = 7, seed: int = 0,
-                   window_bytes: int | None = None) -> list[BlockCost]:
+                   warmup: int = 2, repeats: int = 21, seed: int = 0,
+                   window_bytes: int | None = None, in_flight: int = 1) -> list[BlockCost]:
     """One ``BlockCost`` per block, measured on ``device`` with one micro-batch ``sample``,
-    chained in windows of at most ``window_bytes`` parameter bytes (module docstring).
+    chained in windows of at most ``window_bytes`` parameter bytes, with ``in_flight`` more
+    micro-batches' forwards before each backward except in the window ending the model
+    (module docstring). 1 is what stage 0 of a 2-stage 1F1B sees; more only holds more
+    activations, the caches are flushed by one.
 
-    Blocks. Raises ``ValueError`` naming the block whose output is not a single tensor.
+    Blocks. Raises ``ValueError`` naming the block whose output is not a single tensor, or
+    a negative ``in_flight``.
     """
+    if in_flight < 0:
+        raise ValueError(f"profile_blocks: in_flight={in_flight}; it counts micro-batches "
+                         f"forwarded before a backward, so it must be 0 or more")
     device = torch.device(device)
     x = sample.to(device)
     target = sample_target.to(device) if sample_target is not None else None
@@ -179,12 +229,9 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
             x = out.detach()
         ends_model = span.stop == len(blocks) and loss_fn is not None and target is not None
         loss = (lambda out: loss_fn(out, target)) if ends_model else None
-        samples: list[list[float]] = [[] for _ in span]
-        for rep in range(warmup + repeats):
-            times = _time_chain(window, chain_in, loss, device, clock)
-            if rep >= warmup:
-                for i, t in enumerate(times):
-                    samples[i].append(t)
+        depth = 0 if ends_model else in_flight
+        samples = [s[warmup:] for s in _time_window(window, chain_in, loss, device, clock,
+                                                   warmup + repeats, depth)]
         for i, (index, block) in enumerate(zip(span, window)):
             params = [p for p in block.parameters() if p.requires_grad]
             param_bytes = 2 * sum(_bytes(p) for p in params)  # weights and their gradients
@@ -194,7 +241,7 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                 param_bytes += sum(_tensor_bytes(s) for s in optimizer.state.values())
                 del optimizer
             block.zero_grad(set_to_none=True)
-            costs.append(BlockCost(time_s=statistics.median(samples[i]) if samples[i] else 0.0,
+            costs.append(BlockCost(time_s=trimmed_mean(samples[i]),
                                    out_bytes=outs[i], param_bytes=param_bytes,
                                    stash_bytes=stashes[i],
                                    name=f"{index}:{type(blocks[index]).__name__}"))
