@@ -1,6 +1,7 @@
 """Properties of the scheduling policy over random clusters, running jobs and queues (hypothesis),
-and over simulated traces: nothing over-committed, gangs whole, quotas kept, only lower-priority
-preemptible victims, every job accounted for, determinism, and no job waiting forever."""
+and over simulated traces: nothing over-committed, gangs whole (with every role of a job that has
+roles besides its workers), quotas kept (counting all roles), only lower-priority preemptible
+victims, every job accounted for, determinism, and no job waiting forever."""
 from __future__ import annotations
 
 import random
@@ -44,11 +45,18 @@ def job_st(draw, job_id: str, seq: int):
     per_node = None
     if workers % 2 == 0 and draw(st.booleans()):
         per_node = workers // 2
+    roles = ()
+    if draw(st.sampled_from([False, False, True])):  # a parameter-server-like job: servers need no gpu
+        roles = tuple((name, draw(st.integers(1, 3)), role_shape)
+                      for name, role_shape in [("server", WorkerShape(cpu=draw(st.sampled_from([0.5, 1, 2])),
+                                                                      memory=draw(st.sampled_from([0, 1, 4]))))]
+                      + ([("helper", WorkerShape(cpu=1, gpu=1, accelerator="required"))]
+                         if draw(st.sampled_from([False, False, True])) else []))
     return QueuedJob(job_id, draw(st.sampled_from(["u0", "u1", "u2"])), draw(st.sampled_from([0, 0, 1, 3])), seq,
                      workers, shape, workers_per_node=per_node, nodes=2 if per_node else None,
                      labels=draw(st.sampled_from([(), (), (("zone", "a"),)])),
                      preemptible=draw(st.booleans()),
-                     max_runtime_s=draw(st.sampled_from([None, 10.0, 50.0, 200.0])))
+                     max_runtime_s=draw(st.sampled_from([None, 10.0, 50.0, 200.0])), roles=roles)
 
 
 @st.composite
@@ -62,7 +70,7 @@ def inputs_st(draw):
         Allocation(p.job_id, by_id[p.job_id].user, by_id[p.job_id].priority, p.shape, p.placement,
                    preemptible=by_id[p.job_id].preemptible, started_at=draw(st.sampled_from([0.0, 20.0, 40.0])),
                    max_runtime_s=by_id[p.job_id].max_runtime_s,
-                   preempting=draw(st.sampled_from([False, False, True])))
+                   preempting=draw(st.sampled_from([False, False, True])), roles=p.roles)
         for p in first_decisions.placements)
     queue = tuple(draw(job_st(f"q{i}", 100 + i)) for i in range(draw(st.integers(0, 10))))
     quotas = tuple((user, Quota(cpus=draw(st.sampled_from([None, 2, 6])), gpus=draw(st.sampled_from([None, 0, 2])),
@@ -73,6 +81,11 @@ def inputs_st(draw):
 
 def _use(shape: WorkerShape, workers: int) -> list[float]:
     return [shape.cpu * workers, shape.gpu * workers, shape.memory * workers]
+
+
+def _parts(held) -> list[tuple[WorkerShape, tuple]]:
+    """(shape, placement) of the workers and of every role of an Allocation or a Placement."""
+    return [(held.shape, held.placement)] + [(shape, where) for _, shape, where in held.roles]
 
 
 def check_decisions(inp: SchedulerInput) -> None:
@@ -90,8 +103,9 @@ def check_decisions(inp: SchedulerInput) -> None:
     # no node over-committed, counting running jobs (victims still run through their grace period)
     used = {n: [0.0, 0.0, 0.0] for n in nodes}
     for alloc in inp.running:
-        for node_id, workers in alloc.placement:
-            used[node_id] = [a + b for a, b in zip(used[node_id], _use(alloc.shape, workers))]
+        for shape, where in _parts(alloc):
+            for node_id, workers in where:
+                used[node_id] = [a + b for a, b in zip(used[node_id], _use(shape, workers))]
     for p in d.placements:
         job = queued[p.job_id]
         # gang: all workers, distinct ready nodes, the requested form and resources, eligible nodes
@@ -113,6 +127,20 @@ def check_decisions(inp: SchedulerInput) -> None:
             if p.shape.gpu:
                 assert node.gpu_type == p.shape.gpu_type
             used[node_id] = [a + b for a, b in zip(used[node_id], _use(p.shape, workers))]
+        # every role of the job, placed with it: all its processes, eligible ready nodes, no gpu
+        # unless the role asked for one
+        assert [name for name, _, _ in p.roles] == [name for name, _, _ in job.roles]
+        for (_, count, asked), (_, granted, where) in zip(job.roles, p.roles):
+            assert sum(n for _, n in where) == count and len({n for n, _ in where}) == len(where)
+            assert (granted.cpu, granted.memory) == (asked.cpu, asked.memory)
+            wants_gpu = asked.gpu or asked.accelerator == "required"
+            assert granted.gpu == (max(1, asked.gpu) if wants_gpu else 0)
+            for node_id, count_here in where:
+                node = nodes[node_id]
+                assert node.ready and all(dict(node.labels).get(k) == v for k, v in job.labels)
+                if granted.gpu:
+                    assert node.gpu_type == granted.gpu_type
+                used[node_id] = [a + b for a, b in zip(used[node_id], _use(granted, count_here))]
     for node_id, (cpus, gpus, memory) in used.items():
         node = nodes[node_id]
         assert cpus <= node.cpus + 1e-9 and gpus <= node.gpus and memory <= node.memory, (node_id, used)
@@ -120,8 +148,8 @@ def check_decisions(inp: SchedulerInput) -> None:
     # quotas: a user within quota before the cycle is within it after
     for user, quota in inp.quotas:
         def totals(allocs):
-            cpus = sum(a.shape.cpu * sum(w for _, w in a.placement) for a in allocs)
-            gpus = sum(a.shape.gpu * sum(w for _, w in a.placement) for a in allocs)
+            cpus = sum(shape.cpu * sum(w for _, w in where) for a in allocs for shape, where in _parts(a))
+            gpus = sum(shape.gpu * sum(w for _, w in where) for a in allocs for shape, where in _parts(a))
             return cpus, gpus, len(allocs)
         before = [a for a in inp.running if a.user == user]
         after = before + [p for p in d.placements if queued[p.job_id].user == user]

@@ -7,6 +7,9 @@ Contract:
   job asking for "any accelerator" gets one ``Alternative`` per GPU type in the cluster (a gang
   never mixes GPU types); "prefer" adds a CPU tier after the GPU tier. Pure.
 - ``usage(shape, workers)`` is the resource vector a number of workers takes.
+- ``Cluster.roles_of(job)``: per role of ``job`` (``QueuedJob.roles``) a ``RoleRequest``: the
+  role's processes as a job of their own (spread freely, the job's labels), its tiers of
+  alternatives and what it takes in all. Cached per cycle.
 - ``check_input`` raises ``InvalidSpec`` for input no cycle can use (duplicate ids, negative
   node resources); ``job_problem`` names what is wrong with one job. Nothing else here raises.
 """
@@ -38,6 +41,18 @@ class Alternative:
         object.__setattr__(self, "gpu_key", (gpu, self.shape.gpu_type if gpu else None))
 
 
+@dataclass(frozen=True, slots=True)
+class RoleRequest:
+    """One role of a job as the placement sees it (see ``Cluster.roles_of``)."""
+
+    name: str
+    probe: QueuedJob  # the role's processes as a gang of their own: spread, the job's labels
+    tiers: tuple[tuple[Alternative, ...], ...]
+    # what the role takes in all (cpus, gpus, memory): the same for every alternative, as a
+    # role may not use accelerator "prefer"
+    demand: tuple[float, float, float]
+
+
 class Cluster:
     """Static arrays over the nodes of one cycle (see module contract)."""
 
@@ -54,6 +69,7 @@ class Cluster:
         self._label_columns: dict[str, np.ndarray] = {}  # label key -> each node's value (or None)
         self._gpu_type_column = np.array([n.gpu_type for n in ordered], dtype=object).reshape(-1)
         self._masks: dict[tuple, np.ndarray] = {}
+        self._roles: dict[tuple, tuple[RoleRequest, ...]] = {}
         # dims a node has at all, for the fragmentation score (avoid dividing by zero)
         self.inv_total = np.where(self.total > 0, 1.0 / np.where(self.total > 0, self.total, 1.0), 0.0)
 
@@ -78,6 +94,22 @@ class Cluster:
             self._masks[key] = mask
         return mask
 
+    def roles_of(self, job: QueuedJob) -> tuple[RoleRequest, ...]:
+        """``job``'s roles besides its workers, in order (see module contract); () for none."""
+        if not job.roles:
+            return ()
+        key = (job.roles, job.labels)
+        found = self._roles.get(key)
+        if found is None:
+            requests = []
+            for name, count, shape in job.roles:
+                probe = QueuedJob(job.job_id, job.user, job.priority, job.submit_seq, count, shape, labels=job.labels)
+                tiers = alternatives(probe, self)
+                demand = tuple(usage(tiers[0][0].shape, count).tolist())
+                requests.append(RoleRequest(name, probe, tiers, demand))
+            found = self._roles[key] = tuple(requests)
+        return found
+
 
 def _equal(column: np.ndarray, value: object) -> np.ndarray:
     """Element-wise ``==`` of an object column with one value (None included), as a bool array."""
@@ -87,6 +119,11 @@ def _equal(column: np.ndarray, value: object) -> np.ndarray:
 def usage(shape: WorkerShape, workers: int) -> np.ndarray:
     """Resources ``workers`` workers of ``shape`` take: [cpus, gpus, memory]."""
     return np.array([shape.cpu * workers, shape.gpu * workers, shape.memory * workers], dtype=np.float64)
+
+
+def without_roles(job: QueuedJob) -> QueuedJob:
+    """``job`` with its workers only (for "would the workers alone fit?")."""
+    return replace(job, roles=()) if job.roles else job
 
 
 def _alt(shape: WorkerShape) -> Alternative:
@@ -159,6 +196,31 @@ def gang_problem(job: QueuedJob) -> str | None:
                                   or job.nodes * job.workers_per_node != job.workers):
         return (f"nodes × workers_per_node = {job.nodes} × {job.workers_per_node} does not equal "
                 f"workers={job.workers}")
+    return roles_problem(job) if job.roles else None
+
+
+def roles_problem(job: QueuedJob) -> str | None:
+    """The part of ``job_problem`` about ``job.roles``."""
+    names: set[str] = set()
+    for role in job.roles:
+        if not (isinstance(role, tuple) and len(role) == 3 and isinstance(role[2], WorkerShape)):
+            return f"role {role!r} is not (name, count, WorkerShape)"
+        name, count, shape = role
+        if not isinstance(name, str) or not name or name == "workers":
+            return f"role name {name!r}; use a non-empty name other than 'workers'"
+        if name in names:
+            return f"role {name!r} appears twice; role names are unique"
+        names.add(name)
+        if not isinstance(count, int) or count < 1:
+            return f"role {name!r} has count={count!r}; a role runs at least 1 process"
+        if shape.accelerator not in ("none", "required"):
+            return (f"role {name!r}: accelerator={shape.accelerator!r}; a role uses 'none' or 'required' "
+                    f"('prefer' is for workers only)")
+        if shape.cpu < 0 or shape.gpu < 0 or shape.memory < 0:
+            return f"role {name!r}: cpu={shape.cpu}, gpu={shape.gpu}, memory={shape.memory}; each must be >= 0"
+        if shape.accelerator == "none" and shape.gpu == 0 and shape.gpu_type is not None:
+            return (f"role {name!r}: gpu_type={shape.gpu_type!r} with gpu=0; ask for gpu >= 1 or set "
+                    f"accelerator to 'required'")
     return None
 
 

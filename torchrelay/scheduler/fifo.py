@@ -2,14 +2,15 @@
 
 Contract: ``schedule_fifo(inp)`` considers jobs by priority, then submit order; places each with
 the same gang placement as the policy; the first job that does not fit blocks every job behind
-it (no backfill, no fair share, no preemption, quotas ignored). Jobs that can never fit are
-skipped as ``unschedulable``. Pure.
+it (no backfill, no fair share, no preemption, quotas ignored). Jobs that can never fit (or are
+malformed) are skipped as ``unschedulable``. Jobs with roles are placed with all their roles, as
+by the policy. Pure.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from torchrelay.scheduler.cluster import Cluster, alternatives, usage
+from torchrelay.scheduler.cluster import Cluster, alternatives, job_problem, usage
 from torchrelay.scheduler.placement import feasible, place_best, use_of
 from torchrelay.scheduler.types import Decisions, Placement, SchedulerInput
 
@@ -18,18 +19,19 @@ def schedule_fifo(inp: SchedulerInput) -> Decisions:
     cluster = Cluster(inp.nodes)
     free = cluster.total.copy()
     for alloc in inp.running:
-        for node_id, workers in alloc.placement:
-            if node_id in cluster.index:
-                free[cluster.index[node_id]] -= usage(alloc.shape, workers)
+        for shape, placement in ((alloc.shape, alloc.placement), *((s, p) for _, s, p in alloc.roles)):
+            for node_id, workers in placement:
+                if node_id in cluster.index:
+                    free[cluster.index[node_id]] -= usage(shape, workers)
     everywhere = np.ones(len(cluster), dtype=bool)
     placements, waiting, blocked = [], {}, False
     order = sorted(inp.queue, key=lambda j: (-j.priority, j.submit_seq, j.job_id))
     ever: dict[tuple, bool] = {}  # per job kind: could it fit the empty cluster?
     for job in order:
         tiers = alternatives(job, cluster)
-        kind = (job.shape, job.workers, job.workers_per_node, job.labels)
+        kind = (job.shape, job.workers, job.workers_per_node, job.labels, job.roles)
         if kind not in ever:
-            ever[kind] = feasible(cluster, tiers, job, cluster.total, everywhere)
+            ever[kind] = job_problem(job) is None and feasible(cluster, tiers, job, cluster.total, everywhere)
         if not ever[kind]:
             waiting[job.job_id] = "unschedulable: does not fit this cluster even when it is empty"
             continue
@@ -44,6 +46,8 @@ def schedule_fifo(inp: SchedulerInput) -> Decisions:
         nodes, use = use_of(choice)
         np.subtract.at(free, nodes, use)
         ids = cluster.ids
+        roles = tuple((name, alt.shape, tuple((ids[i], w) for i, w in placement))
+                      for name, alt, placement in choice.roles)
         placements.append(Placement(job.job_id, tuple((ids[i], w) for i, w in choice.placement),
-                                    choice.alt.shape))
+                                    choice.alt.shape, roles))
     return Decisions(placements=tuple(placements), waiting=waiting, order=tuple(j.job_id for j in order))

@@ -10,6 +10,10 @@ Contract:
   time that does not grow with the number of nodes: a spread gang of ``w`` workers fits iff the
   capacities sum to at least ``w`` (a node with room for all ``w`` makes the sum reach ``w`` as
   well), and ``k`` nodes of ``p`` workers fit iff at least ``k`` nodes have capacity >= ``p``.
+- A job with roles: ``fits`` is exactly ``placement.place_gang(...) is not None`` on the same
+  view (the step-by-step routine ``place_best`` uses for it). Cheap necessary checks (the
+  workers alone, then each role alone, must fit) answer most "no"s, and a sufficient one (each
+  role has room wherever the processes before it go) most "yes"es, without placing anything.
 - ``override``: a few nodes whose rows differ from ``avail`` (``{node: [cpus, gpus, memory]}``),
   for a view that is ``avail`` everywhere else (the backfill view ``min(free, extra)`` differs
   only on the reserved job's nodes); ``fits`` and ``caps`` accept it.
@@ -24,8 +28,8 @@ import math
 
 import numpy as np
 
-from torchrelay.scheduler.cluster import Alternative, Cluster
-from torchrelay.scheduler.placement import _EPS, _UNBOUNDED, capacity
+from torchrelay.scheduler.cluster import Alternative, Cluster, without_roles
+from torchrelay.scheduler.placement import _EPS, _UNBOUNDED, capacity, gang_fits
 from torchrelay.scheduler.types import QueuedJob
 
 _REBUILD = 48  # more touched nodes than this since a pair's last use: one numpy pass is cheaper
@@ -44,7 +48,7 @@ def node_capacity(row: list[float], need: tuple[float, float, float]) -> int:
 class _Pair:
     """The capacities of every node for one need on one set of eligible nodes."""
 
-    __slots__ = ("need", "mask", "cap", "total", "at_least", "seen")
+    __slots__ = ("need", "mask", "cap", "total", "at_least", "seen", "top")
 
     def __init__(self, need: tuple[float, float, float], mask: np.ndarray, avail: np.ndarray, seen: int) -> None:
         self.need = need
@@ -53,6 +57,8 @@ class _Pair:
         self.total = int(self.cap.sum())
         self.at_least: dict[int, int] = {}  # p -> nodes with capacity >= p, for the p asked so far
         self.seen = seen
+        # at least the largest capacity; computed on first use (only jobs with roles ask)
+        self.top: int | None = None
 
     def count_at_least(self, per_node: int) -> int:
         found = self.at_least.get(per_node)
@@ -64,6 +70,7 @@ class _Pair:
         self.cap = capacity(avail, self.need, self.mask)
         self.total = int(self.cap.sum())
         self.at_least = {p: int(np.count_nonzero(self.cap >= p)) for p in self.at_least}
+        self.top = None
 
     def update(self, node: int, row: list[float]) -> None:
         if not self.mask[node]:
@@ -73,6 +80,8 @@ class _Pair:
             return
         self.cap[node] = new
         self.total += new - old
+        if self.top is not None and new > self.top:
+            self.top = new
         for p in self.at_least:
             self.at_least[p] += (new >= p) - (old >= p)
 
@@ -111,6 +120,8 @@ class FitIndex:
 
     def fits(self, tiers, job: QueuedJob, override: dict[int, list[float]] | None = None) -> bool:
         """Whether any alternative of ``tiers`` has room for all of ``job`` (see module contract)."""
+        if job.roles:
+            return self._fits_with_roles(tiers, job, override)
         per_node = job.workers_per_node
         for tier in tiers:
             for alt in tier:
@@ -133,6 +144,50 @@ class FitIndex:
                     if total >= job.workers:
                         return True
         return False
+
+    def _fits_with_roles(self, tiers, job: QueuedJob, override: dict[int, list[float]] | None) -> bool:
+        roles = self.cluster.roles_of(job)
+        # necessary, and answered without a placement: the workers alone, each role alone
+        if not self.fits(tiers, without_roles(job), override):
+            return False
+        if not all(self.fits(role.tiers, role.probe, override) for role in roles):
+            return False
+        if self._roles_have_room(roles, job, override):
+            return True
+        view = self.avail
+        if override:
+            view = view.copy()
+            for node, row in override.items():
+                view[node] = row
+        return gang_fits(self.cluster, tiers, job, view, self.allowed, self, override)
+
+    def _roles_have_room(self, roles, job: QueuedJob, override: dict[int, list[float]] | None) -> bool:
+        """Sufficient (given that the workers fit): every role fits wherever the processes placed
+        before it go. Those take at most one node each, and a node taken away costs a role at
+        most the largest capacity any node has for it; so a role whose capacity in all, less
+        that much per earlier process, still holds its processes fits after any placement of
+        them. Answers the usual case (a few servers on a large cluster) without placing."""
+        taken = job.nodes if job.workers_per_node else job.workers
+        for role in roles:
+            count = role.probe.workers
+            if not any(self._room(alt, job.labels, override, taken) >= count for tier in role.tiers for alt in tier):
+                return False
+            taken += count
+        return True
+
+    def _room(self, alt: Alternative, labels, override, taken: int) -> int:
+        """Capacity for ``alt`` in all, less ``taken`` times the largest a node has (a lower bound
+        on what is left once ``taken`` nodes are used by others)."""
+        pair = self.pair(alt, labels)
+        if pair.top is None:
+            pair.top = int(pair.cap.max(initial=0))
+        total, top = pair.total, pair.top
+        for node, row in (override or {}).items():
+            if pair.mask[node]:
+                new = node_capacity(row, alt.need)
+                total += new - int(pair.cap[node])
+                top = max(top, new)
+        return total - taken * top
 
     def caps(self, alt: Alternative, labels: tuple[tuple[str, str], ...],
              override: dict[int, list[float]] | None = None) -> np.ndarray:

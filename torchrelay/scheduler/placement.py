@@ -15,6 +15,11 @@ Contract:
 - ``place_best(cluster, tiers, job, avail, mask)``: the first tier of alternatives that has a
   placement; within a tier (one alternative per GPU type) the fewest nodes, then the least
   fragmentation, then the tier's own order. Returns ``Choice`` or None.
+- A job with roles (``QueuedJob.roles``): its workers are placed as above, then each role in
+  turn, with the same rules, on what the workers and the roles before it leave; when a role
+  does not fit, the workers' next alternative in that order is tried (same tier first), and the
+  gang fits only if every role does (``Choice.roles``). ``feasible`` runs the same routine, so
+  "does it fit" and "where" always agree. ``use_of`` counts all roles, one row per node.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchrelay.scheduler.cluster import GPU, Alternative, Cluster
+from torchrelay.scheduler.cluster import GPU, Alternative, Cluster, RoleRequest, without_roles
 from torchrelay.scheduler.types import QueuedJob
 
 _UNBOUNDED = 1 << 40  # capacity of a node for a worker that needs nothing
@@ -35,6 +40,8 @@ class Choice:
     alt: Alternative
     placement: tuple[tuple[int, int], ...]  # (node index, workers)
     score: float
+    # per role of the job, in order: (name, granted alternative, ((node index, processes), ...))
+    roles: tuple[tuple[str, Alternative, tuple[tuple[int, int], ...]], ...] = ()
 
 
 def capacity(avail: np.ndarray, need: tuple[float, float, float], mask: np.ndarray) -> np.ndarray:
@@ -111,6 +118,8 @@ def place_best(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job
     """The preferred placement over ``tiers`` on nodes in ``ready`` (see module contract).
     ``index`` (a ``fitindex.FitIndex`` over ``avail`` and ``ready``, with ``override`` rows where
     ``avail`` departs from it) skips the alternatives that cannot fit and the capacity pass."""
+    if job.roles:
+        return place_gang(cluster, tiers, job, avail, ready, index, override)
     for tier in tiers:
         best: tuple | None = None
         for rank, alt in enumerate(tier):
@@ -133,7 +142,9 @@ def place_best(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job
 
 def feasible(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
              avail: np.ndarray, ready: np.ndarray) -> bool:
-    """Whether ``place_best`` would find a placement (cheaper: no scoring)."""
+    """Whether ``place_best`` would find a placement (cheaper: no scoring, unless the job has roles)."""
+    if job.roles:
+        return gang_fits(cluster, tiers, job, avail, ready)
     for tier in tiers:
         for alt in tier:
             cap = capacity(avail, alt.need, cluster.eligible(alt, job.labels) & ready)
@@ -145,8 +156,100 @@ def feasible(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: 
     return False
 
 
+def place_gang(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
+               avail: np.ndarray, ready: np.ndarray, index=None, override=None) -> Choice | None:
+    """The placement of ``job``'s workers and all its roles, or None (see module contract).
+    Step by step: what the workers and each role leave decides where the next role goes.
+    ``index``/``override`` as for ``place_best`` (``avail`` is then the view they describe)."""
+    return _gang(cluster, tiers, job, avail, ready, index, override, decide=False)
+
+
+def gang_fits(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: QueuedJob,
+              avail: np.ndarray, ready: np.ndarray, index=None, override=None) -> bool:
+    """Exactly ``place_gang(...) is not None``, cheaper: the last role is only counted, not placed."""
+    return _gang(cluster, tiers, job, avail, ready, index, override, decide=True) is not None
+
+
+def _gang(cluster, tiers, job, avail, ready, index, override, decide):
+    roles = cluster.roles_of(job)
+    bare = without_roles(job)
+    for tier in tiers:
+        options = []
+        for rank, alt in enumerate(tier):
+            if index is not None:
+                if not index.fits(((alt,),), bare, override):
+                    continue
+                found = place(cluster, alt, job, avail, None, index.caps(alt, job.labels, override))
+            else:
+                found = place(cluster, alt, job, avail, cluster.eligible(alt, job.labels) & ready)
+            if found is not None:
+                placement, score = found
+                options.append(((len(placement), score, rank), alt, placement, score))
+        options.sort(key=lambda option: option[0])
+        for _, alt, placement, score in options:
+            placed = _place_roles(cluster, roles, avail, ready, alt, placement, index, override, decide)
+            if placed is not None:
+                return Choice(alt, placement, score, placed)
+    return None
+
+
+def _place_roles(cluster: Cluster, roles: tuple[RoleRequest, ...], avail: np.ndarray, ready: np.ndarray,
+                 alt: Alternative, placement: tuple[tuple[int, int], ...], index, override,
+                 decide: bool) -> tuple | None:
+    """Each role in turn on what ``placement`` (and the roles before it) leave; None if one
+    fails. With ``decide`` the last role is only checked (its entry is left out)."""
+    left = avail.copy()
+    # with an index: the rows where what is left departs from the index's own view
+    rows = dict(override) if (index is not None and override) else {}
+    _take(left, alt, placement, rows if index is not None else None)
+    placed = []
+    last = len(roles) - 1
+    for position, role in enumerate(roles):
+        if decide and position == last:
+            if index is not None:
+                fits = index.fits(role.tiers, role.probe, rows or None)
+            else:
+                fits = feasible(cluster, role.tiers, role.probe, left, ready)
+            return tuple(placed) if fits else None
+        if index is not None:
+            choice = place_best(cluster, role.tiers, role.probe, left, ready, index, rows or None)
+        else:
+            choice = place_best(cluster, role.tiers, role.probe, left, ready)
+        if choice is None:
+            return None
+        _take(left, choice.alt, choice.placement, rows if index is not None else None)
+        placed.append((role.name, choice.alt, choice.placement))
+    return tuple(placed)
+
+
+def _take(left: np.ndarray, alt: Alternative, placement: tuple[tuple[int, int], ...],
+          rows: dict[int, list[float]] | None) -> None:
+    """Take ``placement`` off ``left`` (and note the changed rows in ``rows``, when given)."""
+    for node, count in placement:
+        left[node] -= np.multiply(count, alt.need)
+        if rows is not None:
+            rows[node] = left[node].tolist()
+
+
+def nodes_of(choice: Choice) -> list[int]:
+    """Every node index ``choice`` uses (workers and roles), each once, in ascending order."""
+    if not choice.roles:
+        return sorted(i for i, _ in choice.placement)
+    return sorted({i for i, _ in choice.placement} | {i for _, _, p in choice.roles for i, _ in p})
+
+
 def use_of(choice: Choice) -> tuple[np.ndarray, np.ndarray]:
-    """(node indices, per-node [cpus, gpus, memory]) that ``choice`` takes."""
+    """(node indices, per-node [cpus, gpus, memory]) that ``choice`` takes, workers and roles;
+    each node once."""
     nodes = np.array([i for i, _ in choice.placement], dtype=np.int64)
     workers = np.array([w for _, w in choice.placement], dtype=np.float64)
-    return nodes, np.multiply.outer(workers, np.asarray(choice.alt.need, dtype=np.float64))
+    use = np.multiply.outer(workers, np.asarray(choice.alt.need, dtype=np.float64))
+    if not choice.roles:
+        return nodes, use
+    rows: dict[int, np.ndarray] = dict(zip(nodes.tolist(), use))
+    for _, alt, placement in choice.roles:
+        for node, count in placement:
+            taken = np.multiply(float(count), np.asarray(alt.need, dtype=np.float64))
+            rows[node] = rows[node] + taken if node in rows else taken
+    ordered = sorted(rows)
+    return np.array(ordered, dtype=np.int64), np.array([rows[i] for i in ordered], dtype=np.float64).reshape(-1, 3)

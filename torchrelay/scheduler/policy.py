@@ -23,6 +23,11 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
 - ``Decisions.estimated_start``: for the first ``estimate_limit`` waiting jobs (in order) whose
   start can be known from declared max runtimes.
 - Same input (in any order of its tuples) gives the same decisions.
+- Jobs with roles (``QueuedJob.roles``, e.g. a parameter-server job's servers): every role is
+  placed with the workers, all or nothing (``placement``'s routine); quotas, fair share,
+  reservations, estimates and preemption count the sum of all roles, and a running
+  ``Allocation``'s roles hold resources like its workers. A job whose workers fit now but not
+  its roles next to them waits with ``gang``, naming the role.
 
 Cost (a cycle over 10,000 queued jobs must stay well under 100 ms): jobs of one kind (shape,
 gang form, labels) share what can be computed once; a gang size that did not fit is not tried
@@ -30,7 +35,9 @@ again for larger gangs of the same family; "does it fit?" is answered by ``fitin
 a scan of the nodes; and once a job meets a reason that holds for the rest of the cycle
 ("priority", "resources"), later jobs alike in all it depends on (kind, whether it ends before
 the reservation, priority where it may preempt; users without a quota) get it by one lookup.
-None of these changes a decision: they skip work whose answer is already known.
+None of these changes a decision: they skip work whose answer is already known. Jobs with
+roles take none of the shortcuts that assume a gang's fit only shrinks with the resources
+(their placement is step by step): they are few, and each is checked on its own.
 """
 from __future__ import annotations
 
@@ -41,12 +48,12 @@ import numpy as np
 
 from torchrelay.scheduler.backfill import Holding, Reservation, Tiers, estimate_starts, reserve
 from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, gang_problem, job_problem,
-                                          runtime_problem, usage)
+                                          runtime_problem, usage, without_roles)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
-from torchrelay.scheduler.placement import Choice, feasible, place_best, use_of
+from torchrelay.scheduler.placement import Choice, feasible, nodes_of, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
-from torchrelay.scheduler.types import Decisions, Placement, QueuedJob, SchedulerInput
+from torchrelay.scheduler.types import Allocation, Decisions, Placement, QueuedJob, SchedulerInput
 from torchrelay.spec import format_memory
 
 
@@ -78,11 +85,12 @@ class _Kind:
     the parts only some jobs need are computed on first use."""
 
     __slots__ = ("family", "job", "problem", "tiers", "ever", "initially", "size", "_description",
-                 "_one_worker", "_demands")
+                 "_one_worker", "_demands", "cluster")
 
     def __init__(self, family: int, job: QueuedJob, cycle: "_Cycle") -> None:
         self.family = family
         self.job = job
+        self.cluster = cycle.cluster
         self.problem = gang_problem(job)  # the runtime is checked per job
         self.size = job.nodes if job.workers_per_node else job.workers
         self._description = self._one_worker = self._demands = None
@@ -98,6 +106,10 @@ class _Kind:
         return self._description
 
     @property
+    def roles_description(self) -> str:
+        return ", ".join(f"{name} ×{count} ({_describe_shape(shape)} each)" for name, count, shape in self.job.roles)
+
+    @property
     def one_worker(self) -> QueuedJob:
         """The same kind with one worker (one node of ``workers_per_node``): "would any fit?"."""
         if self._one_worker is None:
@@ -110,9 +122,12 @@ class _Kind:
 
     @property
     def demands(self) -> list[list[np.ndarray]]:
-        """Per alternative, what the whole job takes (for quotas)."""
+        """Per alternative, what the whole job takes, its roles included (for quotas)."""
         if self._demands is None:
-            self._demands = [[usage(alt.shape, self.job.workers) for alt in tier] for tier in self.tiers]
+            roles = np.zeros(3)
+            for role in self.cluster.roles_of(self.job):
+                roles += role.demand
+            self._demands = [[usage(alt.shape, self.job.workers) + roles for alt in tier] for tier in self.tiers]
         return self._demands
 
 
@@ -133,6 +148,10 @@ class _Cycle:
         rows_nodes, rows_use, spans = [], [], []
         add_node, add_use, node_of = rows_nodes.append, rows_use.append, index.get
         for alloc in allocs:
+            if alloc.roles:
+                low = len(rows_nodes)
+                spans.append((low, low + _add_roles(alloc, node_of, add_node, add_use), _total(alloc)))
+                continue
             shape = alloc.shape
             cpu, gpu, memory = shape.cpu, shape.gpu, shape.memory
             low, workers = len(rows_nodes), 0
@@ -193,7 +212,9 @@ class _Cycle:
 
     def fits_ever(self, job: QueuedJob, tiers: Tiers, size: int) -> bool:
         """Whether the kind fits the empty cluster; monotone in the gang size, so remembered as
-        the largest size known to fit and the smallest known not to."""
+        the largest size known to fit and the smallest known not to (not for jobs with roles)."""
+        if job.roles:
+            return self.empty_index.fits(tiers, job)
         key = (tiers, job.labels, job.workers_per_node)
         fits_up_to, fails_from = self.ever_bounds.get(key, (0, math.inf))
         if size <= fits_up_to:
@@ -212,7 +233,7 @@ class _Cycle:
         if found is None:
             # kinds differing only in their gang size (workers, or nodes of workers_per_node) form
             # a family: the fit memo and the outcomes are kept per family and size
-            family = self.families.setdefault(key[:5] + (job.workers_per_node, key[8]), len(self.families))
+            family = self.families.setdefault(key[:5] + (job.workers_per_node, key[8], key[9]), len(self.families))
             found = self.kinds[key] = _Kind(family, job, self)
         return found
 
@@ -222,7 +243,7 @@ class _Cycle:
         reservation = self.reservation
         cached = self._long_rows
         if cached is None or cached[0] != self.version or cached[1] is not reservation:
-            nodes = sorted({i for i, _ in reservation.choice.placement})
+            nodes = nodes_of(reservation.choice)
             rows = np.minimum(self.free[nodes], reservation.extra[nodes]).tolist()
             cached = self._long_rows = (self.version, reservation, dict(zip(nodes, rows)))
         return cached[2]
@@ -230,20 +251,24 @@ class _Cycle:
     def try_place(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int, long: bool) -> Choice | None:
         """The placement of ``job`` in the free resources, or with ``long`` in what the
         reservation leaves (``min(free, extra)``); None (remembered in the memo) when none."""
-        if self.memo.known_fail(key, size):
+        memo = not job.roles
+        if memo and self.memo.known_fail(key, size):
             return None
         override = self.long_rows() if long else None
         if not self.free_index.fits(tiers, job, override):
-            self.memo.record_fail(key, size)
+            if memo:
+                self.memo.record_fail(key, size)
             return None
         avail = np.minimum(self.free, self.reservation.extra) if long else self.free
         choice = place_best(self.cluster, tiers, job, avail, self.ready, self.free_index, override)
-        if choice is None:  # cannot happen: the index said it fits
+        if choice is None and memo:  # cannot happen: the index said it fits
             self.memo.record_fail(key, size)
         return choice
 
     def fits(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int) -> bool:
         """Like ``try_place`` in the free resources, for a yes/no answer only."""
+        if job.roles:
+            return self.free_index.fits(tiers, job)
         if self.memo.known_fail(key, size):
             return False
         if self.free_index.fits(tiers, job):
@@ -273,7 +298,10 @@ class _Cycle:
             self.free_index.touch(nodes)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
-        total = tuple(usage(choice.alt.shape, job.workers).tolist())
+        used = usage(choice.alt.shape, job.workers)
+        for _, alt, placement in choice.roles:
+            used += usage(alt.shape, sum(count for _, count in placement))
+        total = tuple(used.tolist())
         end = self.now + job.max_runtime_s if job.max_runtime_s is not None else math.inf
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
@@ -319,6 +347,9 @@ class _Cycle:
         if problem is not None:
             return f"unschedulable: {problem}"
         if not kind.ever:
+            if job.roles and self.empty_index.fits(kind.tiers, without_roles(job)):
+                return (f"unschedulable: {job.workers} workers of {kind.description} fit this cluster when it "
+                        f"is empty, but not together with {kind.roles_description}")
             return (f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster "
                     f"even when it is empty")
         if not quota_free:
@@ -366,7 +397,8 @@ class _Cycle:
             reason = self.explain(job, kind, tiers, signature)
         # Resources only shrink within a cycle, so "priority" (it fitted at the start, not now)
         # and "resources" (not even one worker fits) stay true; the others may change.
-        lasting = reason.startswith(("priority", "resources"))
+        # (For a job with roles only "resources" does: it says not even one worker fits.)
+        lasting = reason.startswith(("priority", "resources") if not job.roles else "resources")
         self.outcomes[outcome_key] = (_FOR_GOOD if lasting else self.version, reason)
         if lasting and quota_free:
             self.settled[alike] = (reason, tiers)
@@ -381,20 +413,25 @@ class _Cycle:
         return self.shortage(job, kind, tiers, signature)
 
     def shortage(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
+        if job.roles and self.free_index.fits(tiers, without_roles(job)):
+            return (f"gang: its {job.workers} workers would fit now, but not together with "
+                    f"{kind.roles_description}")
         if self.fits(kind.one_worker, tiers, (signature, "free"), 1):
             return f"gang: some of its {job.workers} workers would fit now, but not all together"
         return f"resources: no room now for a worker of {kind.description}"
 
     def preempt_for(self, job: QueuedJob, tiers: Tiers, key: tuple, size: int) -> str | None:
-        if self.memo.known_fail(key, size):
+        memo = not job.roles
+        if memo and self.memo.known_fail(key, size):
             return None
         allowed = self.ready.copy()
         if self.reservation is not None:
-            allowed[[i for i, _ in self.reservation.choice.placement]] = False
+            allowed[nodes_of(self.reservation.choice)] = False
         found = self.victims.choose(self.cluster, tiers, job, self.free, allowed)
         if found is None:
             # free + preemptible resources only shrink in a cycle: a larger gang fails too
-            self.memo.record_fail(key, size)
+            if memo:
+                self.memo.record_fail(key, size)
             return None
         victims, choice = found
         released = np.zeros_like(self.free)
@@ -419,8 +456,12 @@ class _Cycle:
 
     def to_placement(self, job: QueuedJob, choice: Choice) -> Placement:
         ids = self.cluster.ids
-        ordered = sorted(choice.placement, key=lambda p: (-p[1], ids[p[0]]))
-        return Placement(job.job_id, tuple((ids[i], w) for i, w in ordered), choice.alt.shape)
+
+        def named(placement):
+            return tuple((ids[i], w) for i, w in sorted(placement, key=lambda p: (-p[1], ids[p[0]])))
+
+        roles = tuple((name, alt.shape, named(placement)) for name, alt, placement in choice.roles)
+        return Placement(job.job_id, named(choice.placement), choice.alt.shape, roles)
 
     def estimates(self) -> dict[str, float]:
         limit = self.inp.estimate_limit
@@ -444,7 +485,7 @@ def _kind_key(job: QueuedJob) -> tuple:
     dataclass, as hashing and comparing that is a large part of a queued job's cost."""
     shape = job.shape
     return (shape.cpu, shape.gpu, shape.memory, shape.gpu_type, shape.accelerator, job.workers,
-            job.workers_per_node, job.nodes, job.labels)
+            job.workers_per_node, job.nodes, job.labels, job.roles)
 
 
 def _per_node(nodes: np.ndarray, use: np.ndarray, count: int) -> np.ndarray:
@@ -453,15 +494,52 @@ def _per_node(nodes: np.ndarray, use: np.ndarray, count: int) -> np.ndarray:
 
 
 def _describe(job: QueuedJob) -> str:
-    shape = job.shape
+    where = f" on {job.nodes} nodes × {job.workers_per_node}" if job.workers_per_node else ""
+    labels = f" with labels {dict(job.labels)}" if job.labels else ""
+    return _describe_shape(job.shape) + where + labels
+
+
+def _describe_shape(shape) -> str:
     parts = [f"{shape.cpu:g} cpu"]
     if shape.gpu or shape.accelerator != "none":
         parts.append(f"{max(shape.gpu, 1)} gpu" + (f" ({shape.gpu_type})" if shape.gpu_type else ""))
     if shape.memory:
         parts.append(f"{format_memory(shape.memory)} memory")
-    where = f" on {job.nodes} nodes × {job.workers_per_node}" if job.workers_per_node else ""
-    labels = f" with labels {dict(job.labels)}" if job.labels else ""
-    return ", ".join(parts) + where + labels
+    return ", ".join(parts)
+
+
+def _role_parts(alloc: Allocation):
+    """(shape, placement) of the workers and of each role of ``alloc``."""
+    return ((alloc.shape, alloc.placement), *((shape, placement) for _, shape, placement in alloc.roles))
+
+
+def _add_roles(alloc: Allocation, node_of, add_node, add_use) -> int:
+    """Rows of an allocation with roles: one per node of this cluster, all roles summed there
+    (so a node's rows never repeat within a job). Returns how many rows were added."""
+    rows: dict[int, list[float]] = {}
+    for shape, placement in _role_parts(alloc):
+        for node_id, count in placement:
+            node = node_of(node_id)
+            if node is not None:
+                row = rows.setdefault(node, [0.0, 0.0, 0.0])
+                row[0] += shape.cpu * count
+                row[1] += shape.gpu * count
+                row[2] += shape.memory * count
+    for node in sorted(rows):
+        add_node(node)
+        add_use(tuple(rows[node]))
+    return len(rows)
+
+
+def _total(alloc: Allocation) -> tuple[float, float, float]:
+    """What ``alloc`` holds over all its nodes (on this cluster or not), all roles."""
+    cpu = gpu = memory = 0.0
+    for shape, placement in _role_parts(alloc):
+        count = sum(c for _, c in placement)
+        cpu += shape.cpu * count
+        gpu += shape.gpu * count
+        memory += shape.memory * count
+    return float(cpu), float(gpu), float(memory)
 
 
 def schedule(inp: SchedulerInput) -> Decisions:

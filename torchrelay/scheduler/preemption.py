@@ -10,7 +10,8 @@ Contract:
   being preempted count at every level: they cost nothing more) and takes the first level at
   which the job fits; on the nodes of that placement it picks victims cheapest first (already
   being preempted, lowest priority, most recently started: the least work lost, then job id)
-  until each node has room for its share, then drops any victim the others make unnecessary.
+  until each node has room for its share (all of the job's roles on that node together), then
+  drops any victim the others make unnecessary.
   Returns ``(victims, choice)`` or None when stopping every candidate would not do. Pure.
 """
 from __future__ import annotations

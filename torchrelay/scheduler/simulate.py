@@ -101,7 +101,7 @@ def simulate(nodes: tuple[NodeView, ...], trace: list[TraceJob],
                 job = queue.pop(placement.job_id)
                 alloc = Allocation(job.job_id, job.user, job.priority, placement.shape, placement.placement,
                                    preemptible=job.preemptible, started_at=now,
-                                   max_runtime_s=job.max_runtime_s)
+                                   max_runtime_s=job.max_runtime_s, roles=placement.roles)
                 running[job.job_id] = alloc
                 result.start.setdefault(job.job_id, now)
                 tok = f"{job.job_id}@{now}"
@@ -117,20 +117,27 @@ def simulate(nodes: tuple[NodeView, ...], trace: list[TraceJob],
     return result
 
 
+def _parts(alloc: Allocation):
+    """(shape, placement) of the workers and of each role of ``alloc``."""
+    return ((alloc.shape, alloc.placement), *((shape, placement) for _, shape, placement in alloc.roles))
+
+
 def _add_busy(busy: list[float], alloc: Allocation, now: float) -> None:
-    workers = sum(w for _, w in alloc.placement)
-    busy[0] += (now - alloc.started_at) * workers * alloc.shape.cpu
-    busy[1] += (now - alloc.started_at) * workers * alloc.shape.gpu
+    for shape, placement in _parts(alloc):
+        processes = sum(w for _, w in placement)
+        busy[0] += (now - alloc.started_at) * processes * shape.cpu
+        busy[1] += (now - alloc.started_at) * processes * shape.gpu
 
 
 def _check_not_overcommitted(capacity: dict[str, tuple[float, int, int]], running: dict[str, Allocation]) -> None:
     used: dict[str, list[float]] = {n: [0.0, 0.0, 0.0] for n in capacity}
     for alloc in running.values():
-        for node_id, workers in alloc.placement:
-            u = used[node_id]
-            u[0] += alloc.shape.cpu * workers
-            u[1] += alloc.shape.gpu * workers
-            u[2] += alloc.shape.memory * workers
+        for shape, placement in _parts(alloc):
+            for node_id, workers in placement:
+                u = used[node_id]
+                u[0] += shape.cpu * workers
+                u[1] += shape.gpu * workers
+                u[2] += shape.memory * workers
     for node_id, (cpus, gpus, memory) in capacity.items():
         u = used[node_id]
         if u[0] > cpus + 1e-6 or u[1] > gpus or u[2] > memory:

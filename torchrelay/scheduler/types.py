@@ -2,6 +2,14 @@
 
 The server builds a ``SchedulerInput`` from its store each cycle, calls
 ``torchrelay.scheduler.schedule(input)`` and carries out the returned ``Decisions``.
+
+Roles: a job may run processes of other shapes next to its workers (a parameter-server job's
+servers need cpu and memory, no gpu). ``workers`` and ``shape`` always mean the workers;
+``QueuedJob.roles`` lists the other roles as ``(name, count, shape)``, and ``Allocation.roles`` /
+``Placement.roles`` where each runs as ``(name, granted shape, ((node_id, count), ...))``. A
+role's processes are placed like workers (same nodes' labels, readiness, no over-commit),
+spread freely over nodes, all or nothing together with the workers. Empty (the default): the
+job is one shape, exactly as before.
 """
 from __future__ import annotations
 
@@ -19,6 +27,10 @@ class WorkerShape:
     memory: int = 0
     gpu_type: str | None = None
     accelerator: str = "none"
+
+
+# (role name, granted shape, ((node_id, processes), ...)): where one role of a job runs
+RolePlacement = tuple[str, WorkerShape, tuple[tuple[str, int], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +59,8 @@ class Allocation:
     # already asked to stop by an earlier preemption decision: its resources are the first a
     # preemptor counts on, and it is not listed again in ``Decisions.preemptions``
     preempting: bool = False
+    # the job's other roles (see the module docstring): they hold resources as its workers do
+    roles: tuple[RolePlacement, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +76,9 @@ class QueuedJob:
     labels: tuple[tuple[str, str], ...] = ()
     preemptible: bool = True
     max_runtime_s: float | None = None
+    # (name, processes, shape) of each role besides the workers; names unique, not "workers";
+    # a role's shape may not use accelerator "prefer" (its demand must be known before placing)
+    roles: tuple[tuple[str, int, WorkerShape], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +104,8 @@ class Placement:
     job_id: str
     placement: tuple[tuple[str, int], ...]  # (node_id, workers), node_rank = index
     shape: WorkerShape  # the shape actually granted (differs for accelerator="prefer" on cpu)
+    # each of the job's roles, in ``QueuedJob.roles`` order; each role's nodes most processes first
+    roles: tuple[RolePlacement, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
