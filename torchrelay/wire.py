@@ -30,7 +30,8 @@ Agents
 
 The agent side is declarative: the heartbeat reply lists every launch the server wants on
 that node (``LaunchAssignment``, with ``desired`` = "run" or "stop"); the agent makes it so
-and reports each launch's actual state through ``/launches/{id}/status``. Re-sending a status
+and reports each launch's status changes in its next heartbeat (``Heartbeat.statuses``) or
+through ``/launches/{id}/status`` (the same rules; older agents use only this). Re-sending a status
 or a log/metric batch with the same sequence numbers is harmless (idempotent by
 ``(launch_id, rank, seq)``).
 """
@@ -195,10 +196,31 @@ class LaunchReport(_Model):
     state: Literal["preparing", "running", "exited"]
 
 
+class LaunchStatus(_Model):
+    """Agent -> server: a launch's actual state. ``master_port`` is sent by node 0 once chosen."""
+
+    state: Literal["preparing", "running", "exited"]
+    master_port: int | None = None
+    ranks: list[RankExit] = Field(default_factory=list, description="set when exited")
+    succeeded: bool | None = Field(default=None, description="set when exited")
+    stopped: bool = Field(default=False, description="exited because the server asked it to stop")
+    message: str = ""
+
+
+class LaunchStatusReport(_Model):
+    """One status change of one launch, carried in a heartbeat (``Heartbeat.statuses``)."""
+
+    launch_id: str
+    status: LaunchStatus
+
+
 class Heartbeat(_Model):
     launches: list[LaunchReport] = Field(default_factory=list)
     wait_s: float = Field(default=0.0, ge=0, le=60)
     known_version: int = Field(default=-1, description="version of the last reply the agent acted on")
+    statuses: list[LaunchStatusReport] = Field(
+        default_factory=list, description="status changes not yet delivered, oldest first; applied before the "
+        "reply is built, with the same rules (and idempotence) as POST /launches/{id}/status")
 
 
 class LaunchAssignment(_Model):
@@ -237,17 +259,8 @@ class HeartbeatReply(_Model):
     version: int
     node_state: Literal["READY", "LOST", "DRAINING"]
     launches: list[LaunchAssignment]
-
-
-class LaunchStatus(_Model):
-    """Agent -> server: a launch's actual state. ``master_port`` is sent by node 0 once chosen."""
-
-    state: Literal["preparing", "running", "exited"]
-    master_port: int | None = None
-    ranks: list[RankExit] = Field(default_factory=list, description="set when exited")
-    succeeded: bool | None = Field(default=None, description="set when exited")
-    stopped: bool = Field(default=False, description="exited because the server asked it to stop")
-    message: str = ""
+    statuses_taken: int = Field(default=0, description="how many of the heartbeat's ``statuses`` the server "
+                                "took (applied, or skipped as unknown); a server older than that field answers 0")
 
 
 class LogRecord(_Model):

@@ -48,7 +48,7 @@ class ServerThread:
     """A real torchrelay server (uvicorn) in a thread of this process, on ``port`` (0: the OS
     picks), over the database in ``home`` (so a second one on the same port is a restart)."""
 
-    def __init__(self, home: Path, port: int = 0, heartbeat_timeout_s: float = 10.0):
+    def __init__(self, home: Path, port: int = 0, heartbeat_timeout_s: float = 10.0, wrap=None):
         self.service = ClusterService(f"sqlite:///{home / 'state.db'}", str(home / "store"), tick_s=0.2,
                                       heartbeat_timeout_s=heartbeat_timeout_s)
         self.sock = socket.socket()
@@ -65,7 +65,9 @@ class ServerThread:
         self.port = self.sock.getsockname()[1]
         self.address = f"http://127.0.0.1:{self.port}"
         self.service.public_url = self.address
-        config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
+        app = create_app(self.service)
+        self.app = wrap(app) if wrap is not None else app  # wrap: an ASGI app around the server's
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -205,6 +207,44 @@ def test_a_world_of_one_runs_without_torchrun(cluster, tmp_path):
     assert zygote is not None and zygote.pid is not None
     agent.stop()
     assert zygote._proc.poll() is not None  # closing the agent ends its zygote
+
+
+class RefuseStatusPosts:
+    """ASGI app in front of the server that answers 503 to every ``POST /launches/{id}/status``
+    (counting them) and passes everything else on."""
+
+    def __init__(self, app):
+        self.app = app
+        self.refused = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/status"):
+            self.refused += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"refused by the test"})
+            return
+        await self.app(scope, receive, send)
+
+
+def test_a_status_whose_post_failed_arrives_in_the_next_heartbeat(tmp_path):
+    """Statuses ride in heartbeats; the one posted while a long poll was in flight (the exit)
+    is refused here, and still reaches the server with the next heartbeat."""
+    server = ServerThread(tmp_path, wrap=RefuseStatusPosts)
+    agent = AgentThread(server.address, tmp_path / "agent")
+    try:
+        with RelayClient(server.address) as client:
+            client.wait_for_nodes(1, timeout=30)
+            info = client.submit(JobSpec.parse({"name": "nap", "workers": 1,
+                                                "entrypoint": "python -c 'import time; time.sleep(0.5)'"}),
+                                 upload=False)
+            final = client.wait(info.id, timeout=60, poll_s=0.2)
+            assert final.state == JobState.SUCCEEDED, final
+            assert [e.state for e in final.events] == [JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING,
+                                                       JobState.SUCCEEDED]
+        assert server.app.refused >= 1  # the exit was posted (and refused) first
+    finally:
+        agent.stop()
+        server.stop()
 
 
 @pytest.mark.slow

@@ -3,9 +3,10 @@ import pytest
 
 from torchrelay.errors import NotFound, Unschedulable
 from torchrelay.server.service import ClusterService
+from torchrelay.server.store import LaunchRow
 from torchrelay.spec import JobState
-from torchrelay.wire import Heartbeat, LaunchReport, LaunchStatus, LogBatch, LogRecord, MetricBatch, MetricRecord, \
-    NodeRegistration, RankExit
+from torchrelay.wire import Heartbeat, LaunchReport, LaunchStatus, LaunchStatusReport, LogBatch, LogRecord, \
+    MetricBatch, MetricRecord, NodeRegistration, RankExit
 
 
 class Clock:
@@ -553,3 +554,58 @@ def test_a_restart_fences_the_checkpoints_of_the_replaced_attempt(svc, tmp_path)
     with pytest.raises(StaleAttempt):
         CheckpointStore(svc.store, job.id, attempt=1).save({"x": torch.ones(1)}, 7)
     CheckpointStore(svc.store, job.id, attempt=2).save({"x": torch.ones(1)}, 3)
+
+
+def _events(svc, job_id):
+    return [(e.state, e.message) for e in svc.get_job(job_id).events]
+
+
+def test_statuses_in_a_heartbeat_move_the_job_and_a_resend_changes_nothing(svc):
+    n1 = add_node(svc, "a")
+    job = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    lid = launch.launch_id
+    ranks = [RankExit(rank=0, exit_code=0, returned=True)]
+    beat = Heartbeat(launches=[LaunchReport(launch_id=lid, state="exited")], statuses=[
+        LaunchStatusReport(launch_id=lid, status=LaunchStatus(state="running", master_port=4100)),
+        LaunchStatusReport(launch_id=lid, status=LaunchStatus(state="exited", succeeded=True, ranks=ranks))])
+    reply = svc.heartbeat(n1, beat)
+    assert reply.statuses_taken == 2
+    assert reply.launches == []  # the exited launch is no longer desired, in this very reply
+    info = svc.get_job(job.id)
+    assert info.state == JobState.SUCCEEDED
+    assert [e.state for e in info.events] == [JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING,
+                                              JobState.SUCCEEDED]
+    before = _events(svc, job.id)
+    again = svc.heartbeat(n1, beat)  # the reply was lost: the agent sends the same statuses again
+    assert again.statuses_taken == 2 and again.launches == []
+    assert _events(svc, job.id) == before and svc.get_job(job.id).state == JobState.SUCCEEDED
+
+
+def test_a_resent_status_never_moves_a_launch_back(svc):
+    n1 = add_node(svc, "a")
+    job, launch = running_job(svc, n1)
+    lid = launch.launch_id
+    svc.heartbeat(n1, Heartbeat(launches=[LaunchReport(launch_id=lid, state="running")],
+                                statuses=[LaunchStatusReport(launch_id=lid, status=LaunchStatus(state="preparing"))]))
+    svc.launch_status(lid, LaunchStatus(state="preparing"))  # the old endpoint: the same rule
+    with svc._sessions() as s:
+        assert s.get(LaunchRow, lid).state == "running"
+    assert svc.get_job(job.id).state == JobState.RUNNING
+    exit_launch(svc, lid)
+    assert svc.get_job(job.id).state == JobState.SUCCEEDED
+
+
+def test_heartbeat_statuses_of_unknown_or_foreign_launches_are_skipped(svc):
+    n1, n2 = add_node(svc, "a"), add_node(svc, "b", cpus=1)
+    job = svc.submit(spec(workers=1, resources={"cpu": 2}), None, None)
+    svc.tick()
+    (launch,) = launches_of(svc, n1)
+    foreign = LaunchStatusReport(launch_id=launch.launch_id, status=LaunchStatus(state="exited", succeeded=False))
+    unknown = LaunchStatusReport(launch_id="job-99-a1-n0", status=LaunchStatus(state="running"))
+    reply = svc.heartbeat(n2, Heartbeat(statuses=[unknown, foreign]))
+    assert reply.statuses_taken == 2 and reply.launches == []
+    assert svc.get_job(job.id).state == JobState.SCHEDULED  # n2 cannot speak for n1's launch
+    with pytest.raises(NotFound):
+        svc.launch_status("job-99-a1-n0", LaunchStatus(state="running"))  # the old endpoint still refuses it

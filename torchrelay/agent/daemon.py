@@ -10,11 +10,16 @@ Contract:
   and started; node 0 picks the master port and posts it (``POST /launches/{id}/status``)
   before starting torchrun, other nodes wait for ``master_addr``/``master_port`` in a later
   reply; a launch with ``desired="stop"``, or one the server no longer lists, is stopped.
-  Every state change is posted as a ``wire.LaunchStatus`` (in order, per launch, after the
-  logs it depends on) as soon as it happens: it wakes the shipper, which sends all queued
-  statuses in one cycle, leaving out a ``preparing`` one a later status of the same launch
-  supersedes (``coalesce_statuses``). Node 0 of a world of one (``launcher.is_direct``) posts
-  no port: nobody waits for it.
+  Every state change is queued as a ``wire.LaunchStatus`` (in order, per launch) and goes with
+  the next heartbeat (``Heartbeat.statuses``; the server applies them before it replies). After
+  a reply that started a direct launch, that heartbeat waits (at most 0.25 s: a fork) until the
+  launch left ``preparing``, so its ``running`` rides along. A change made while a long poll is
+  in flight is posted at once by the shipper instead (``POST /launches/{id}/status``); one it
+  could not deliver goes with the next heartbeat. Either way an ``exited`` goes only after the
+  launch's lines and metrics were shipped. A ``preparing`` status a later one of the same
+  launch supersedes is left out (``coalesce_statuses``). A server that answers
+  ``statuses_taken=0`` (older than that field) gets every status posted. Node 0 of a world of
+  one (``launcher.is_direct``) needs no port: nobody waits for it.
 - Direct launches of Python workers are forked from the agent's zygote (``zygote.Zygote``,
   started with the first one; ``zygote=False`` or ``RELAY_AGENT_ZYGOTE=0`` turns it off).
 - A background thread ships logs and metrics every ``ship_interval_s`` s
@@ -314,6 +319,18 @@ class Agent:
         self._outbox: list[tuple[str, wire.LaunchStatus]] = []
         self._outbox_lock = threading.Lock()
         self._ship_lock = threading.Lock()  # one shipping cycle (or delivery check) at a time
+        # Statuses ride in the next heartbeat; the shipper posts them itself only while a long
+        # poll is in flight (``_polling``), so that they are not held until it returns, or when
+        # the server does not take statuses in heartbeats (an older server answers 0 taken).
+        self._beat_lock = threading.Lock()  # the heartbeat's outbox snapshot and ``_polling`` change together
+        self._polling = False
+        self._carrying: set[int] = set()  # ids of the outbox entries the heartbeat in flight carries
+        self._posting: set[int] = set()  # ids of the outbox entries the shipper is posting right now
+        # ids of outbox entries whose launch's earlier lines and metrics were shipped: only those
+        # may end a launch from a heartbeat (an ``exited`` never arrives before its last lines)
+        self._lines_shipped: set[int] = set()
+        self._server_takes_statuses = True
+        self._status_posted = threading.Event()
         self._ship_wake = threading.Event()
         self._bundle_lock = threading.Lock()
         self._closing = threading.Event()
@@ -421,11 +438,50 @@ class Agent:
             log.warning("cannot save node id in %s: %s", self._node_file(), exc)
         log.info("registered as node %s (%s) at %s", self.node_id, self.name, self.address)
 
-    def _heartbeat_body(self) -> wire.Heartbeat:
+    def _heartbeat_body(self) -> tuple[wire.Heartbeat, list, list]:
+        """The next heartbeat, with the outbox as it was (``snapshot``) and the statuses it
+        carries (``carried``, entries of the snapshot). Marks a long poll in flight (caller
+        holds ``_beat_lock``)."""
         with self._lock:
             reports = [wire.LaunchReport(launch_id=lid, state=runner.state)
                        for lid, runner in self._runners.items()]
-        return wire.Heartbeat(launches=reports, wait_s=self._wait_s, known_version=self._version)
+        snapshot: list = []
+        carried: list = []
+        if self._server_takes_statuses:
+            with self._outbox_lock:
+                snapshot = list(self._outbox)
+            carried = coalesce_statuses([entry for entry in snapshot if id(entry) not in self._posting
+                                         and (entry[1].state != "exited" or id(entry) in self._lines_shipped)])
+        self._polling = self._wait_s > 0
+        self._carrying = {id(entry) for entry in carried}
+        return (wire.Heartbeat(launches=reports, wait_s=self._wait_s, known_version=self._version,
+                               statuses=[wire.LaunchStatusReport(launch_id=lid, status=status)
+                                         for lid, status in carried]),
+                snapshot, carried)
+
+    def _settle(self, snapshot: list, sent: list) -> None:
+        """Drop from the outbox what ``sent`` (entries of ``snapshot``) delivered."""
+        settled = {id(entry) for entry in settled_statuses(snapshot, sent)}
+        if settled:
+            with self._outbox_lock:
+                self._outbox = [entry for entry in self._outbox if id(entry) not in settled]
+            with self._beat_lock:  # (a settled entry's id may be reused by a new one)
+                self._lines_shipped -= settled
+
+    def _await_first_statuses(self, limit_s: float = 0.25) -> None:
+        """Hold the next heartbeat while a direct launch this agent just started is still
+        preparing (a fork from the zygote: milliseconds), up to ``limit_s``: its ``running``
+        then rides in that heartbeat instead of costing a post of its own. Launches that wait
+        for a peer's port are not waited for: they need the next reply."""
+        deadline = time.monotonic() + limit_s
+        while not self._closing.is_set():
+            with self._lock:
+                fresh = any(r.state == "preparing" and is_direct(r.assignment) for r in self._runners.values())
+            left = deadline - time.monotonic()
+            if not fresh or left <= 0:
+                return
+            self._status_posted.wait(left)
+            self._status_posted.clear()
 
     def _heartbeat_loop(self) -> None:
         backoff = 0.2
@@ -434,14 +490,28 @@ class Agent:
             try:
                 if self.node_id is None:
                     self._register()
-                reply = self._poll_http.post(f"/nodes/{self.node_id}/heartbeat",
-                                             json=self._heartbeat_body().model_dump(mode="json"))
+                with self._beat_lock:
+                    body, snapshot, carried = self._heartbeat_body()
+                try:
+                    reply = self._poll_http.post(f"/nodes/{self.node_id}/heartbeat", json=body.model_dump(mode="json"))
+                finally:
+                    with self._beat_lock:
+                        self._polling = False
+                        self._carrying = set()
                 if reply.status_code == 404:
                     log.warning("server does not know node %s; registering again", self.node_id)
                     self._register()
                     continue
                 reply.raise_for_status()
                 beat = wire.HeartbeatReply.model_validate(reply.json())
+                if carried:
+                    if beat.statuses_taken == len(carried):
+                        self._settle(snapshot, carried)
+                    else:  # a server that does not read them: post them one by one from now on
+                        log.warning("server took %d of %d statuses in a heartbeat; posting statuses instead",
+                                    beat.statuses_taken, len(carried))
+                        self._server_takes_statuses = False
+                        self._ship_wake.set()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any failed beat
                 if self._closing.is_set():
                     return  # close() shut the client under an in-flight long poll
@@ -455,6 +525,7 @@ class Agent:
                 return
             self._version = beat.version
             self.reconcile(beat.launches)
+            self._await_first_statuses()
             # A server that keeps answering at once must not make this loop spin.
             self._closing.wait(max(0.0, 0.05 - (time.monotonic() - started)))
 
@@ -557,7 +628,8 @@ class Agent:
     def _post_status(self, launch_id: str, status: wire.LaunchStatus) -> None:
         with self._outbox_lock:
             self._outbox.append((launch_id, status))
-        self._ship_wake.set()  # statuses (node 0's port above all) go out now, not next tick
+        self._status_posted.set()  # a heartbeat held for it goes now
+        self._ship_wake.set()  # while a long poll is in flight the shipper posts it now, not next tick
 
     def _ship_loop(self) -> None:
         while True:
@@ -566,7 +638,7 @@ class Agent:
             if self._closing.is_set():
                 break
             try:
-                self._ship_once()
+                self._ship_once(statuses=None)
             except Exception:  # noqa: BLE001 - the shipper must outlive any one bad cycle
                 log.exception("shipping logs failed")
         # closing: let the runners finish their stop, then flush what they produced
@@ -577,21 +649,40 @@ class Agent:
                 log.debug("shipping while closing failed", exc_info=True)
             time.sleep(self.ship_interval_s)
 
-    def _ship_once(self) -> None:
-        """One shipping cycle: logs and metrics first, then the statuses queued before them."""
+    def _ship_once(self, statuses: bool | None = True) -> None:
+        """One shipping cycle: logs and metrics first, then the statuses queued before them
+        (``statuses=None``: only while no heartbeat is about to carry them, see ``_polling``)."""
         with self._ship_lock:
-            self._ship_cycle()
+            self._ship_cycle(statuses)
 
-    def _ship_cycle(self) -> None:
+    def _ship_cycle(self, post_statuses: bool | None = True) -> None:
         with self._outbox_lock:
             statuses = list(self._outbox)
-        sending = coalesce_statuses(statuses)
         with self._lock:
             runners = list(self._runners.values())
         for runner in runners:
             runner.take_records()
             if not self._send_records(runner):
                 return  # server unreachable: keep everything, keep the order
+        with self._beat_lock:  # the heartbeat loop takes its snapshot under this lock
+            # the lines and metrics taken above were produced before these statuses were queued
+            self._lines_shipped.update(id(entry) for entry in statuses)
+            if post_statuses is None:
+                post_statuses = self._polling or not self._server_takes_statuses
+            if not post_statuses:
+                return  # the next heartbeat carries them (it goes as soon as the current reply is acted on)
+            carrying = self._carrying
+            sending = coalesce_statuses([entry for entry in statuses if id(entry) not in carrying])
+            self._posting = {id(entry) for entry in sending}
+        try:
+            sent = self._post_statuses(sending)
+        finally:
+            with self._beat_lock:
+                self._posting = set()
+        self._settle(statuses, sent)
+
+    def _post_statuses(self, sending: list) -> list:
+        """Post statuses one by one, in order, until one cannot be delivered; returns those sent."""
         sent = []
         for entry in sending:
             launch_id, status = entry
@@ -609,10 +700,7 @@ class Agent:
                 log.warning("server rejected status %s of launch %s: %s %s", status.state,
                             launch_id, reply.status_code, reply.text[:200])
             sent.append(entry)
-        settled = {id(entry) for entry in settled_statuses(statuses, sent)}
-        if settled:
-            with self._outbox_lock:
-                self._outbox = [entry for entry in self._outbox if id(entry) not in settled]
+        return sent
 
     def _send_records(self, runner: _Runner) -> bool:
         """Post a runner's buffered logs and metrics; False if the server could not be reached."""

@@ -183,7 +183,9 @@ def create_app(service: ClusterService) -> FastAPI:
         if wait and reply.version == body.known_version:
             await svc.notifier.wait(f"node:{node_id}", reply.version, wait)
             await run_in_threadpool(svc.touch, node_id)
+            taken = reply.statuses_taken  # the statuses were applied before the wait
             reply = await run_in_threadpool(svc.desired, node_id)
+            reply.statuses_taken = taken
         return reply
 
     @api.post("/launches/{launch_id}/status")

@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import signal
 import threading
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +48,13 @@ from torchrelay.wire import (ArtifactInfo, FailureInfo, Heartbeat, HeartbeatRepl
                              MetricPage, MetricPoint, NodeInfo, NodeRegistration, PlacementInfo,
                              RankExit, RegisterReply)
 
+_log = logging.getLogger("torchrelay.server")
+# a launch's states in the order they happen: a status never moves a launch back (resends)
+_LAUNCH_ORDER = {"pending": 0, "preparing": 1, "running": 2, "exited": 3}
+# the launch columns a heartbeat reply is built from (read as plain rows, no ORM objects)
+_ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
+    "id", "job_seq", "attempt", "node_id", "node_rank", "nnodes", "nproc", "rank_offset", "world_size", "gpu",
+    "desired", "stop_reason", "state", "master_port", "stop_grace_s"))
 # the stop reason of launches stopped at the job's max_runtime_s; an attempt stopped so ends FAILED
 _RUNTIME_STOP = "ran past max_runtime_s"
 
@@ -147,6 +154,7 @@ class ClusterService:
         self._spec_cache: dict[int, JobSpec] = {}
         self._queued_cache: dict[int, policy.QueuedJob] = {}  # job seq -> the policy's view while it waits
         self._env_cache: dict[int, dict[str, str]] = {}  # job seq -> its launches' spec-derived environment
+        self._argv_cache: dict[int, list[str]] = {}  # job seq -> its entrypoint split into argv
         self.quotas = quotas or QuotaTable()
         # job seq -> (attempt, server time it was placed): what max_runtime_s counts from
         self._attempt_started: dict[int, tuple[int, float]] = {}
@@ -457,27 +465,51 @@ class ClusterService:
         return RegisterReply(node_id=node_id, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def heartbeat(self, node_id: str, hb: Heartbeat) -> HeartbeatReply:
-        """Record the node alive and what it runs; return its desired launches (no waiting)."""
+        """Record the node alive, apply the status changes it carries (``hb.statuses``, as
+        ``launch_status`` would, in order, in this one transaction) and what it runs; return its
+        desired launches (no waiting). Statuses of launches unknown or not on this node are
+        skipped (logged), so one stale entry cannot make every later heartbeat fail."""
         now = self.clock()
+        nodes = NodeRow.__table__
         with self._lock, self._sessions.begin() as s:
-            node = s.get(NodeRow, node_id)
+            conn = s.connection()
+            node = conn.execute(select(nodes.c.state, nodes.c.address, nodes.c.gpu_type)
+                                .where(nodes.c.id == node_id)).first()
             if node is None:
                 raise NotFound(f"node {node_id} is not registered; register it again")
             was_lost = node.state == "LOST"
-            node.last_seen = now
+            conn.execute(update(nodes).where(nodes.c.id == node_id)
+                         .values(last_seen=now, **({"state": "READY"} if was_lost else {})))
             if was_lost:
-                node.state = "READY"
                 self._ready_nodes = None
+            # their launches and jobs in one query; held, since the session's identity map keeps
+            # only objects referenced elsewhere, so that the gets below find them loaded
+            loaded = self._launches_with_jobs(s, {r.launch_id for r in hb.statuses}) if hb.statuses else []
+            for report in hb.statuses:
+                launch = s.get(LaunchRow, report.launch_id)
+                if launch is None or launch.node_id != node_id:
+                    _log.warning("heartbeat of node %s: status of launch %s skipped (%s)", node_id,
+                                 report.launch_id, "unknown" if launch is None else f"on node {launch.node_id}")
+                    continue
+                self._apply_status(s, launch, report.status)
+            if hb.statuses:
+                s.flush()  # the Core reads below do not autoflush
             reported = {r.launch_id for r in hb.launches}
+            live = self._live_on_node(conn, node_id)
             # a launch the agent had acknowledged but no longer has was lost with the agent
-            for launch in s.scalars(select(LaunchRow).where(LaunchRow.node_id == node_id,
-                                                             LaunchRow.state.in_(("preparing", "running")))):
-                if launch.id not in reported:
-                    self._launch_exited(s, launch, LaunchStatus(
-                        state="exited", succeeded=False, message="the agent no longer runs this launch"))
-            # in the same transaction: the version is read under the lock before the launches, so
-            # a change made after this reply bumps past it and wakes the agent's next long-poll
-            reply = self._desired(s, node, self.notifier.version(f"node:{node_id}"))
+            lost = [x.id for x in live if x.state in ("preparing", "running") and x.id not in reported]
+            for launch_id in lost:
+                self._launch_exited(s, s.get(LaunchRow, launch_id), LaunchStatus(
+                    state="exited", succeeded=False, message="the agent no longer runs this launch"))
+            if lost:
+                s.flush()
+                live = self._live_on_node(conn, node_id)
+            # in the same transaction: the version is read under the lock before the launches are
+            # built, so a change made after this reply bumps past it and wakes the next long-poll
+            version = self.notifier.version(f"node:{node_id}")
+            reply = HeartbeatReply(version=version, node_state="READY" if was_lost else node.state,
+                                   launches=self._assignments(conn, node_id, node, live),
+                                   statuses_taken=len(hb.statuses))
         if was_lost:
             self._kick()
         return reply
@@ -485,25 +517,33 @@ class ClusterService:
     def touch(self, node_id: str) -> None:
         """Record the node as seen now (the end of a long-poll heartbeat)."""
         now = self.clock()
-        with self._lock, self._sessions.begin() as s:
-            node = s.get(NodeRow, node_id)
+        nodes = NodeRow.__table__
+        with self._lock, self.engine.begin() as conn:
             # a write per long-poll is not needed: LOST is decided at heartbeat_timeout_s scale
-            if node is not None and node.state == "READY" and node.last_seen < now - self.heartbeat_timeout_s / 20:
-                node.last_seen = now
+            conn.execute(update(nodes).where(nodes.c.id == node_id, nodes.c.state == "READY",
+                                             nodes.c.last_seen < now - self.heartbeat_timeout_s / 20)
+                         .values(last_seen=now))
 
     def desired(self, node_id: str) -> HeartbeatReply:
         """The node's launches as its agent should run them, with the version they are as of."""
         version = self.notifier.version(f"node:{node_id}")
-        with self._sessions() as s:
-            node = s.get(NodeRow, node_id)
+        nodes = NodeRow.__table__
+        with self.engine.connect() as conn:
+            node = conn.execute(select(nodes.c.state, nodes.c.address, nodes.c.gpu_type)
+                                .where(nodes.c.id == node_id)).first()
             if node is None:
                 raise NotFound(f"node {node_id} is not registered; register it again")
-            return self._desired(s, node, version)
+            return HeartbeatReply(version=version, node_state=node.state,  # type: ignore[arg-type]
+                                  launches=self._assignments(conn, node_id, node, self._live_on_node(conn, node_id)))
 
-    def _desired(self, s: Session, node: NodeRow, version: int) -> HeartbeatReply:
-        launches = s.scalars(select(LaunchRow).where(LaunchRow.node_id == node.id, LaunchRow.state != "exited")).all()
-        return HeartbeatReply(version=version, node_state=node.state,  # type: ignore[arg-type]
-                              launches=self._assignments(s, list(launches)))
+    @staticmethod
+    def _live_on_node(conn: Any, node_id: str) -> list[Any]:
+        """The node's launches that have not exited, with their job's bundle: plain rows, one query."""
+        launches, jobs = LaunchRow.__table__, JobRow.__table__
+        return conn.execute(select(*_ASSIGNMENT_COLUMNS, jobs.c.bundle)
+                            .join(jobs, jobs.c.seq == launches.c.job_seq)
+                            .where(launches.c.node_id == node_id, launches.c.state != "exited")
+                            .order_by(launches.c.job_seq, launches.c.id)).all()
 
     def list_nodes(self) -> list[NodeInfo]:
         with self._sessions() as s:
@@ -520,22 +560,34 @@ class ClusterService:
             return out
 
     def launch_status(self, launch_id: str, status: LaunchStatus) -> None:
-        """Record an agent's report on a launch. Idempotent; reports on an exited launch are ignored."""
+        """Record an agent's report on a launch. Idempotent; reports on an exited launch are
+        ignored, and so is one that would move the launch back (a resent ``preparing``)."""
         with self._lock, self._sessions.begin() as s:
-            launch = s.get(LaunchRow, launch_id)
-            if launch is None:
+            loaded = self._launches_with_jobs(s, {launch_id})  # (held: see ``heartbeat``)
+            if not loaded:
                 raise NotFound(f"launch {launch_id} is unknown")
-            if launch.state == "exited":
-                return
-            if status.master_port and launch.master_port != status.master_port:
-                launch.master_port = status.master_port
+            self._apply_status(s, loaded[0][0], status)
+
+    @staticmethod
+    def _launches_with_jobs(s: Session, launch_ids: set[str]) -> list[Any]:
+        """(LaunchRow, JobRow) of each known launch in ``launch_ids``: one query."""
+        return list(s.execute(select(LaunchRow, JobRow).join(JobRow, JobRow.seq == LaunchRow.job_seq)
+                              .where(LaunchRow.id.in_(launch_ids))))
+
+    def _apply_status(self, s: Session, launch: LaunchRow, status: LaunchStatus) -> None:
+        """``launch_status``'s rules for one report (caller holds ``_lock`` and the transaction)."""
+        if launch.state == "exited":
+            return
+        if status.master_port and launch.master_port != status.master_port:
+            launch.master_port = status.master_port
+            if launch.nnodes > 1:  # the peers wait for it; a launch alone in its attempt has none
                 for peer in self._attempt_launches(s, launch.job_seq, launch.attempt):
                     self.notifier.bump(f"node:{peer.node_id}")
-            if status.state == "exited":
-                self._launch_exited(s, launch, status)
-            else:
-                launch.state = status.state
-                self._evaluate(s, s.get(JobRow, launch.job_seq))
+        if status.state == "exited":
+            self._launch_exited(s, launch, status)
+        elif _LAUNCH_ORDER[status.state] > _LAUNCH_ORDER.get(launch.state, 0):
+            launch.state = status.state
+            self._evaluate(s, s.get(JobRow, launch.job_seq), self._alone(launch))
 
     def ingest_logs(self, job_id: str, batch: LogBatch) -> int:
         """Store new log records; resent ones (seq already seen) are skipped. Returns rows added."""
@@ -659,6 +711,7 @@ class ClusterService:
             self._spec_cache.pop(row.seq, None)
             self._queued_cache.pop(row.seq, None)
             self._env_cache.pop(row.seq, None)
+            self._argv_cache.pop(row.seq, None)
             self._attempt_started.pop(row.seq, None)
         s.add(EventRow(job_seq=row.seq, time=now, state=target.value, message=message))
         self.notifier.bump(f"job:{row.seq}")
@@ -683,7 +736,12 @@ class ClusterService:
         launch.infra = infra
         self.notifier.bump(f"node:{launch.node_id}")
         self._kick()
-        self._evaluate(s, s.get(JobRow, launch.job_seq))
+        self._evaluate(s, s.get(JobRow, launch.job_seq), self._alone(launch))
+
+    @staticmethod
+    def _alone(launch: LaunchRow) -> list[LaunchRow] | None:
+        """``[launch]`` when it is the only launch of its attempt (one node), else None (read them)."""
+        return [launch] if launch.nnodes == 1 else None
 
     def _check_runtime(self, s: Session) -> None:
         """A job whose current attempt has held its nodes longer than its ``max_runtime_s`` is
@@ -724,12 +782,14 @@ class ClusterService:
         self._attempt_started[row.seq] = (row.attempt, started)
         return started
 
-    def _evaluate(self, s: Session, row: JobRow) -> None:
-        """Move the job on from what its current attempt's launches report. Idempotent."""
+    def _evaluate(self, s: Session, row: JobRow, launches: list[LaunchRow] | None = None) -> None:
+        """Move the job on from what its current attempt's launches report (``launches``: they,
+        when the caller holds them all). Idempotent."""
         state = JobState(row.state)
         if state.terminal or state == JobState.QUEUED:
             return
-        launches = self._attempt_launches(s, row.seq, row.attempt)
+        if launches is None or any(x.attempt != row.attempt for x in launches):  # (a replaced attempt's)
+            launches = self._attempt_launches(s, row.seq, row.attempt)
         if not launches:
             return
         all_exited = all(x.state == "exited" for x in launches)
@@ -911,6 +971,10 @@ class ClusterService:
         # start estimates are for `relay queue` (queue_view) only: a tick does not pay for them
         decisions = policy.schedule(dataclasses.replace(inp, estimate_limit=0))
         by_id = {n.id: n for n in s.scalars(select(NodeRow))} if decisions.placements else {}
+        placed_seqs = [rows[p.job_id][0].seq for p in decisions.placements]
+        loaded: list[JobRow] = []  # held: the session's identity map only keeps objects referenced elsewhere
+        for chunk in range(0, len(placed_seqs), 500):  # their rows in few queries: the gets below find them loaded
+            loaded += s.scalars(select(JobRow).where(JobRow.seq.in_(placed_seqs[chunk:chunk + 500])))
         for placement in decisions.placements:
             brief, spec = rows[placement.job_id]
             self._place(s, s.get(JobRow, brief.seq), spec, placement, by_id)
@@ -969,28 +1033,33 @@ class ClusterService:
 
     # ------------------------------------------------------------ internals: views
 
-    def _assignments(self, s: Session, launches: list[LaunchRow]) -> list[LaunchAssignment]:
-        """What the agent is told of each launch. Reads the launches' jobs, their head launches
-        and the nodes in three queries whatever the count (a heartbeat reply lists them all)."""
+    def _assignments(self, conn: Any, node_id: str, node: Any, launches: list[Any]) -> list[LaunchAssignment]:
+        """What the agent of ``node_id`` is told of each launch (``launches``: rows of
+        ``_live_on_node``; ``node``: its row with address and gpu_type). A launch that is its
+        attempt's node 0 is its own head; other heads, and their nodes, are read in one query
+        each, only when some launch needs them (a heartbeat reply lists every launch)."""
         if not launches:
             return []
-        seqs = sorted({x.job_seq for x in launches})
-        jobs = {r.seq: r for r in s.execute(select(JobRow.seq, JobRow.bundle).where(JobRow.seq.in_(seqs)))}
-        heads = {(h.job_seq, h.attempt): h for h in s.execute(
-            select(LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.master_port)
-            .where(LaunchRow.job_seq.in_(seqs), LaunchRow.node_rank == 0))}
-        nodes = {n.id: n for n in s.execute(select(NodeRow.id, NodeRow.address, NodeRow.gpu_type))}
+        heads: dict[tuple[int, int], Any] = {}
+        addresses = {node_id: node.address}
+        peer_seqs = sorted({x.job_seq for x in launches if x.node_rank != 0})
+        if peer_seqs:
+            table = LaunchRow.__table__
+            heads = {(h.job_seq, h.attempt): h for h in conn.execute(
+                select(table.c.job_seq, table.c.attempt, table.c.node_id, table.c.master_port)
+                .where(table.c.job_seq.in_(peer_seqs), table.c.node_rank == 0))}
+            nodes = NodeRow.__table__
+            addresses.update(conn.execute(select(nodes.c.id, nodes.c.address)
+                                          .where(nodes.c.id.in_({h.node_id for h in heads.values()}))).all())
         out = []
         for launch in launches:
-            spec = self._spec_of(s, launch.job_seq)
-            head = heads.get((launch.job_seq, launch.attempt))
-            head_node = nodes.get(head.node_id) if head else None
+            spec = self._spec_of_conn(conn, launch.job_seq)
+            head = launch if launch.node_rank == 0 else heads.get((launch.job_seq, launch.attempt))
             env = dict(self._static_env(launch.job_seq, spec))
             # what was granted, which for accelerator "prefer" may be CPUs although GPUs were asked for
             env["RELAY_ACCELERATOR"] = "gpu" if launch.gpu else "cpu"
             env["RELAY_GPUS_PER_WORKER"] = str(launch.gpu)
-            node = nodes.get(launch.node_id)
-            if launch.gpu and node is not None and node.gpu_type:
+            if launch.gpu and node.gpu_type:
                 env["RELAY_GPU_TYPE"] = node.gpu_type
             job_id = job_id_of(launch.job_seq)
             out.append(LaunchAssignment(
@@ -999,11 +1068,26 @@ class ClusterService:
                 stop_grace_s=spec.stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s,
                 node_rank=launch.node_rank, nnodes=launch.nnodes,
                 nproc_per_node=launch.nproc, world_size=launch.world_size, rank_offset=launch.rank_offset,
-                master_addr=head_node.address if head_node else None,
+                master_addr=addresses.get(head.node_id) if head else None,
                 master_port=head.master_port if head else None,
-                entrypoint=spec.argv, bundle=jobs[launch.job_seq].bundle, env=env, store_url=self.store.url,
+                entrypoint=self._argv(launch.job_seq, spec), bundle=launch.bundle, env=env, store_url=self.store.url,
                 job_store_prefix=ArtifactStore.job_prefix(job_id)))
         return out
+
+    def _argv(self, seq: int, spec: JobSpec) -> list[str]:
+        """The job's entrypoint as argv (split once per job and cached with its spec)."""
+        argv = self._argv_cache.get(seq)
+        if argv is None:
+            argv = self._argv_cache[seq] = spec.argv
+        return list(argv)
+
+    def _spec_of_conn(self, conn: Any, seq: int) -> JobSpec:
+        """``_spec_of`` on a plain connection."""
+        spec = self._spec_cache.get(seq)
+        if spec is None:
+            data = conn.execute(select(JobRow.__table__.c.spec).where(JobRow.__table__.c.seq == seq)).scalar()
+            spec = self._spec_cache[seq] = JobSpec.parse(data)
+        return spec
 
     def _static_env(self, seq: int, spec: JobSpec) -> dict[str, str]:
         """The part of a launch's environment that only depends on the job's spec (cached with it)."""
