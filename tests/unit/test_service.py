@@ -609,3 +609,68 @@ def test_heartbeat_statuses_of_unknown_or_foreign_launches_are_skipped(svc):
     assert svc.get_job(job.id).state == JobState.SCHEDULED  # n2 cannot speak for n1's launch
     with pytest.raises(NotFound):
         svc.launch_status("job-99-a1-n0", LaunchStatus(state="running"))  # the old endpoint still refuses it
+
+
+# ---------------------------------------------------------------- parameter servers as their own role
+
+GiB = 2**30
+
+
+def test_ps_servers_take_cpu_nodes_and_no_gpu(svc):
+    gpu = svc.register(NodeRegistration(name="g", address="127.0.0.1", cpus=8, gpus=4, gpu_type="a100",
+                                        memory=64 * GiB)).node_id
+    cpu = svc.register(NodeRegistration(name="c", address="127.0.0.1", cpus=8, memory=32 * GiB)).node_id
+    job = svc.submit(spec(workers=4, resources={"cpu": 1, "gpu": 1},
+                          strategy={"kind": "parameter_server", "servers": 2,
+                                    "server_resources": {"cpu": 2, "memory": "4GiB"}}), None, "alice")
+    svc.tick()
+    (w,) = launches_of(svc, gpu)
+    (sv,) = launches_of(svc, cpu)
+    assert (w.node_rank, w.nproc_per_node, w.rank_offset, w.world_size, w.nnodes) == (0, 4, 0, 6, 2)
+    assert (sv.node_rank, sv.nproc_per_node, sv.rank_offset, sv.world_size) == (1, 2, 4, 6)
+    assert w.env["RELAY_ACCELERATOR"] == "gpu" and sv.env["RELAY_ACCELERATOR"] == "cpu"
+    assert sv.env["RELAY_GPUS_PER_WORKER"] == "0"
+    info = svc.get_job(job.id)
+    assert "servers on c×2" in info.events[-1].message, info.events[-1].message
+    # the policy sees it back as workers + servers: a second 4-gpu job waits for gpus, a cpu job
+    # that needs 6 of c's cpus waits (servers hold 4), one needing 4 starts
+    nxt = svc.submit(spec(workers=1, resources={"cpu": 1, "gpu": 1}), None, "bob")
+    big = svc.submit(spec(workers=1, resources={"cpu": 6}, labels={}), None, "bob")
+    svc.tick()
+    assert svc.get_job(nxt.id).state == JobState.QUEUED
+    assert svc.get_job(big.id).state == JobState.QUEUED
+    for launch in (w, sv):
+        svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    assert svc.get_job(job.id).state == JobState.RUNNING
+    for launch in (w, sv):
+        exit_launch(svc, launch.launch_id)
+    assert svc.get_job(job.id).state == JobState.SUCCEEDED
+
+
+def test_ps_servers_next_to_workers_on_one_node_get_their_own_launch(svc):
+    node = svc.register(NodeRegistration(name="a", address="127.0.0.1", cpus=8, memory=32 * GiB)).node_id
+    svc.submit(spec(workers=2, resources={"cpu": 1}, strategy={"kind": "parameter_server", "servers": 1}), None, None)
+    svc.tick()
+    launches = sorted(launches_of(svc, node), key=lambda x: x.node_rank)
+    assert [(x.node_rank, x.nproc_per_node, x.rank_offset, x.world_size, x.nnodes) for x in launches] == \
+        [(0, 2, 0, 3, 2), (1, 1, 2, 3, 2)]
+
+
+def test_ps_job_whose_servers_never_fit_is_refused_naming_them(svc):
+    svc.register(NodeRegistration(name="a", address="127.0.0.1", cpus=2, memory=32 * GiB))
+    with pytest.raises(Unschedulable, match="1 servers"):
+        svc.submit(spec(workers=2, strategy={"kind": "parameter_server", "servers": 1}), None, None)
+
+
+def test_servers_still_running_after_the_workers_exited_hold_their_node(svc):
+    node = svc.register(NodeRegistration(name="a", address="127.0.0.1", cpus=4, memory=32 * GiB)).node_id
+    svc.submit(spec(workers=2, resources={"cpu": 1}, strategy={"kind": "parameter_server", "servers": 1,
+                                                              "server_resources": {"cpu": 2}}), None, None)
+    svc.tick()
+    w, sv = sorted(launches_of(svc, node), key=lambda x: x.node_rank)
+    for launch in (w, sv):
+        svc.launch_status(launch.launch_id, LaunchStatus(state="running"))
+    exit_launch(svc, w.launch_id)
+    other = svc.submit(spec(workers=1, resources={"cpu": 3}), None, None)
+    svc.tick()
+    assert svc.get_job(other.id).state == JobState.QUEUED  # the server still holds 2 of 4 cpus

@@ -41,7 +41,7 @@ from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.store import (CursorRow, EventRow, JobRow, LaunchRow, LogRow, MetricRow, NodeRow,
                                      job_id_of, job_seq_of, make_engine, make_sessionmaker)
-from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, check_transition
+from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, Resources, check_transition
 from torchrelay.storage import ArtifactStore
 from torchrelay.wire import (ArtifactInfo, FailureInfo, Heartbeat, HeartbeatReply, JobEvent, JobInfo,
                              LaunchAssignment, LaunchStatus, LogBatch, LogLine, LogPage, MetricBatch,
@@ -65,19 +65,37 @@ def process_count(spec: JobSpec) -> int:
     return spec.workers + extra
 
 
-def worker_shape(spec: JobSpec) -> policy.WorkerShape:
-    res = spec.resources
+def _shape(res: Resources) -> policy.WorkerShape:
     return policy.WorkerShape(cpu=res.cpu, gpu=res.gpu, memory=res.memory, gpu_type=res.gpu_type,
                               accelerator=res.accelerator_mode)
+
+
+def worker_shape(spec: JobSpec) -> policy.WorkerShape:
+    return _shape(spec.resources)
+
+
+def job_roles(spec: JobSpec) -> tuple[tuple[str, int, policy.WorkerShape], ...]:
+    """The job's processes besides its workers, as the policy places them: a parameter-server
+    job's servers with their own resources (ranks ``workers .. workers + servers - 1``)."""
+    if isinstance(spec.strategy, ParameterServerStrategy):
+        return (("server", spec.strategy.servers, _shape(spec.strategy.server_resources)),)
+    return ()
 
 
 def queued_job(row: JobRow, spec: JobSpec) -> policy.QueuedJob:
     return policy.QueuedJob(
         job_id=row.id, user=row.user or "", priority=row.priority, submit_seq=row.seq,
-        workers=process_count(spec), shape=worker_shape(spec),
+        workers=spec.workers, shape=worker_shape(spec),
         workers_per_node=spec.workers_per_node if spec.nodes else None, nodes=spec.nodes,
         labels=tuple(sorted(spec.labels.items())), preemptible=spec.preemptible,
-        max_runtime_s=spec.max_runtime_s)
+        max_runtime_s=spec.max_runtime_s, roles=job_roles(spec))
+
+
+def _granted(launch: Any, gpu_type: str | None) -> policy.WorkerShape:
+    """The shape the policy granted, as a launch records it."""
+    return policy.WorkerShape(cpu=launch.cpu, gpu=launch.gpu, memory=launch.memory,
+                              gpu_type=gpu_type if launch.gpu else None,
+                              accelerator="required" if launch.gpu else "none")
 
 
 _SCHEDULER_STATES = (JobState.QUEUED.value, JobState.SCHEDULED.value, JobState.RUNNING.value,
@@ -680,8 +698,10 @@ class ClusterService:
 
     def _never_fits_message(self, spec: JobSpec, nodes: list[policy.NodeView]) -> str:
         res = spec.resources
-        return (f"job {spec.name!r} can never run here: it needs {process_count(spec)} workers × "
-                f"(cpu={res.cpu:g}, gpu={res.gpu}, memory={res.memory}) but the cluster's "
+        servers = "".join(f" and {count} {name}s × (cpu={shape.cpu:g}, gpu={shape.gpu}, memory={shape.memory})"
+                          for name, count, shape in job_roles(spec))
+        return (f"job {spec.name!r} can never run here: it needs {spec.workers} workers × "
+                f"(cpu={res.cpu:g}, gpu={res.gpu}, memory={res.memory}){servers} but the cluster's "
                 f"{len(nodes)} ready node(s) hold cpus={sum(n.cpus for n in nodes):g}, "
                 f"gpus={sum(n.gpus for n in nodes)}, memory={sum(n.memory for n in nodes)} in all; "
                 f"lower `workers` or the per-worker `resources`, or add nodes")
@@ -913,7 +933,7 @@ class ClusterService:
         nodes = self._node_views(s, include_lost=True)
         live_by_job: dict[int, list[Any]] = {}
         for launch in s.execute(select(LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc,
-                                       LaunchRow.cpu, LaunchRow.gpu, LaunchRow.memory)
+                                       LaunchRow.cpu, LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset)
                                 .where(LaunchRow.state != "exited").order_by(LaunchRow.job_seq, LaunchRow.node_rank)):
             live_by_job.setdefault(launch.job_seq, []).append(launch)
         running, queue, rows = [], [], {}
@@ -922,17 +942,24 @@ class ClusterService:
             spec = self._spec_of(s, brief.seq)
             live = [x for x in live_by_job.get(brief.seq, ()) if x.attempt == brief.attempt] if brief.attempt else []
             if live:
-                granted = live[0]  # the launch records the shape the policy granted
-                shape = policy.WorkerShape(cpu=granted.cpu, gpu=granted.gpu, memory=granted.memory,
-                                           gpu_type=spec.resources.gpu_type if granted.gpu else None,
-                                           accelerator="required" if granted.gpu else "none")
+                # each launch records the shape the policy granted its processes; a
+                # parameter-server job's server launches are those past its workers' ranks
+                workers = [x for x in live if x.rank_offset < spec.workers]
+                servers = [x for x in live if x.rank_offset >= spec.workers]
+                roles = ()
+                if servers:
+                    server_gpu_type = (spec.strategy.server_resources.gpu_type
+                                       if isinstance(spec.strategy, ParameterServerStrategy) else None)
+                    roles = (("server", _granted(servers[0], server_gpu_type),
+                              tuple((x.node_id, x.nproc) for x in servers)),)
                 started = self._attempt_start(s, brief)
                 running.append(policy.Allocation(
-                    job_id=brief.id, user=brief.user or "", priority=brief.priority, shape=shape,
-                    placement=tuple((x.node_id, x.nproc) for x in live), preemptible=spec.preemptible,
+                    job_id=brief.id, user=brief.user or "", priority=brief.priority,
+                    shape=_granted((workers or live)[0], spec.resources.gpu_type),
+                    placement=tuple((x.node_id, x.nproc) for x in workers), preemptible=spec.preemptible,
                     started_at=started if started is not None else brief.submitted_at,
                     max_runtime_s=spec.max_runtime_s,
-                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value))
+                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value, roles=roles))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 job = self._queued_cache.get(brief.seq)
                 if job is None:  # what the policy is told of a waiting job never changes
@@ -998,13 +1025,18 @@ class ClusterService:
         self._attempt_started[row.seq] = (row.attempt, self.clock())
         if row.attempt > 1:
             self._fence_checkpoints(row)
-        world = sum(n for _, n in placement.placement)
+        # one launch (one torchrun) per role and node, the workers' first: ranks follow node_rank,
+        # so the workers are ranks 0..W-1 and a parameter-server job's servers W..W+S-1, as
+        # torchrelay.train.ps expects; a node with workers and servers runs two launches
+        launches = [(placement.shape, node_id, nproc) for node_id, nproc in placement.placement]
+        launches += [(shape, node_id, nproc) for _, shape, where in placement.roles for node_id, nproc in where]
+        world = sum(nproc for _, _, nproc in launches)
         offset = 0
-        for node_rank, (node_id, nproc) in enumerate(placement.placement):
+        for node_rank, (shape, node_id, nproc) in enumerate(launches):
             s.add(LaunchRow(
                 id=f"{row.id}-a{row.attempt}-n{node_rank}", job_seq=row.seq, attempt=row.attempt, node_id=node_id,
-                node_rank=node_rank, nnodes=len(placement.placement), nproc=nproc, rank_offset=offset,
-                world_size=world, cpu=placement.shape.cpu, gpu=placement.shape.gpu, memory=placement.shape.memory,
+                node_rank=node_rank, nnodes=len(launches), nproc=nproc, rank_offset=offset,
+                world_size=world, cpu=shape.cpu, gpu=shape.gpu, memory=shape.memory,
                 desired="run", state="pending", ranks=[], stopped=False, message=""))
             offset += nproc
             self.notifier.bump(f"node:{node_id}")
@@ -1015,6 +1047,8 @@ class ClusterService:
             names += f" ({granted.gpu} {'/'.join(gpu_types)} per worker)"
         elif spec.resources.accelerator_mode == "prefer":
             names += " (on CPUs: the gang did not fit on accelerators)"
+        for role, _, where in placement.roles:
+            names += f"; {role}s on " + ", ".join(f"{nodes[n].name}×{k}" for n, k in where)
         if JobState(row.state) == JobState.QUEUED:
             self._set_state(s, row, JobState.SCHEDULED, f"placed on {names}")
         else:

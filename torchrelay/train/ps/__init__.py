@@ -106,10 +106,14 @@ def run_server_role_if_assigned(ctx: Any) -> None:
         directory.read_plan(), int(ctx.rank) - workers, num_workers=workers, mode=strategy.mode,
         staleness=strategy.staleness, optimizer=strategy.optimizer, directory=directory,
         host=advertised_host(), max_restarts=int(os.environ.get("TORCHRELAY_PS_MAX_SHARD_RESTARTS", "3")))
-    # A server rank has nothing left to flush; ending here (and not through interpreter
-    # teardown) keeps it clear of the gloo abort at exit (DESIGN.md §6).
+    # A server rank has nothing left to do. Under the agent's worker supervisor (it sets
+    # RELAY_RANK_STATUS_DIR) SystemExit(0) records that the rank returned, then the supervisor
+    # ends the process without interpreter teardown; elsewhere (plain torchrun) ending here
+    # with os._exit keeps it clear of the gloo abort at exit (DESIGN.md §6).
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get("RELAY_RANK_STATUS_DIR"):
+        raise SystemExit(0)
     os._exit(0)
 
 
