@@ -108,6 +108,18 @@ def test_job_env_cannot_override_relay_variables(tmp_path):
     assert env["RELAY_JOB_ID"] == "J1"
 
 
+@pytest.mark.parametrize("base, job_env, granted, expected", [
+    ({}, {}, None, None),                                               # a node without gpus: untouched
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, None, "0,1"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "2", "2"),  # the agent's grant wins
+    ({}, {}, "", ""),                                                   # a cpu launch on a gpu node
+])
+def test_cuda_visible_devices_is_what_the_agent_granted(tmp_path, base, job_env, granted, expected):
+    env = build_worker_env(assignment(env=job_env), base_env=base, run_dir=tmp_path, relay_address="",
+                           cuda_visible_devices=granted)
+    assert env.get("CUDA_VISIBLE_DEVICES") == expected
+
+
 # ---------------------------------------------------------------- the worker's pure parts
 
 

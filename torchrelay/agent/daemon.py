@@ -55,6 +55,7 @@ from pathlib import Path
 import httpx
 
 from torchrelay import wire
+from torchrelay.agent.gpus import GpuShortage, GpuSlots, visible_devices
 from torchrelay.agent.launcher import Launch, find_launch_processes, is_direct, pick_free_port
 from torchrelay.agent.zygote import Zygote
 
@@ -183,6 +184,7 @@ class _Runner:
             self.assignment_changed.notify_all()
 
     def _exit(self, status: wire.LaunchStatus) -> None:
+        self.agent.gpu_slots.release(self.launch_id)
         self.final = status
         self.state = "exited"
         self.agent._post_status(self.launch_id, status)
@@ -226,8 +228,15 @@ class _Runner:
             self._exit(wire.LaunchStatus(state="exited", succeeded=False, stopped=True,
                                          message="stopped before it started"))
             return
+        gpus_per_worker = int(self.assignment.env.get("RELAY_GPUS_PER_WORKER", "0") or 0)
+        try:
+            devices = self.agent.gpu_slots.take(self.launch_id, self.assignment.nproc_per_node * gpus_per_worker)
+        except GpuShortage as exc:
+            self._exit(wire.LaunchStatus(state="exited", succeeded=False, message=str(exc)))
+            return
         launch = Launch(self.assignment, code_dir=code_dir, run_dir=self.run_dir,
-                        relay_address=self.agent.address, zygote=self.agent.zygote)
+                        relay_address=self.agent.address, zygote=self.agent.zygote,
+                        cuda_visible_devices=visible_devices(devices, self.agent.gpus))
         self.launch = launch
         launch.start(master_addr, master_port)
         self.state = "running"
@@ -299,6 +308,7 @@ class Agent:
             raise ValueError(f"gpu_type {gpu_type!r} was given but this node offers 0 gpus; "
                              "give --gpus N (N > 0) with --gpu-type, or drop --gpu-type")
         self.memory = detect_memory() if memory is None else int(memory)
+        self.gpu_slots = GpuSlots(self.gpus)  # which device indices each launch holds
         self.work_dir = Path(work_dir)
         self.labels = dict(labels or {})
         self.heartbeat_wait_s = heartbeat_wait_s

@@ -117,11 +117,12 @@ def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: st
 
 
 def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str, str],
-                     run_dir: Path, relay_address: str) -> dict[str, str]:
+                     run_dir: Path, relay_address: str, cuda_visible_devices: str | None = None) -> dict[str, str]:
     """torchrun's environment (it passes it on to every worker) (pure).
 
     ``base_env`` + ``assignment.env`` + the ``RELAY_*`` variables; ``OMP_NUM_THREADS``
-    defaults to 1 unless either of the first two sets it.
+    defaults to 1 unless either of the first two sets it. ``cuda_visible_devices`` (the
+    devices the agent gave this launch, see ``torchrelay.agent.gpus``) wins over both.
     """
     env = dict(base_env)
     env.update(assignment.env)
@@ -139,6 +140,8 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
         "RELAY_LAUNCH_DIR": os.path.abspath(run_dir),
         "PYTHONUNBUFFERED": "1",
     })
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
 
 
@@ -373,8 +376,10 @@ class Launch:
 
     def __init__(self, assignment: wire.LaunchAssignment, *, code_dir: Path, run_dir: Path,
                  relay_address: str = "", python: str = sys.executable,
-                 base_env: Mapping[str, str] | None = None, zygote: Zygote | None = None):
+                 base_env: Mapping[str, str] | None = None, zygote: Zygote | None = None,
+                 cuda_visible_devices: str | None = None):
         self.assignment = assignment
+        self.cuda_visible_devices = cuda_visible_devices
         self.zygote = zygote
         self.code_dir = Path(code_dir)
         self.run_dir = Path(run_dir)
@@ -441,7 +446,7 @@ class Launch:
             for sub in ("logs", "metrics", "status"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             env = build_worker_env(self.assignment, base_env=self.base_env, run_dir=self.run_dir,
-                                   relay_address=self.relay_address)
+                                   relay_address=self.relay_address, cuda_visible_devices=self.cuda_visible_devices)
             if self.direct:
                 self._start_direct(env, master_addr, master_port)
                 return
