@@ -334,7 +334,8 @@ def main() -> None:
     parser.add_argument("--trace-gap", type=float, default=4.0, help="mean seconds between arrivals in (c)")
     parser.add_argument("--server-part", action="store_true", help="also run (b) against the real server")
     parser.add_argument("--submits", type=int, default=1000, help="submissions timed in (b)")
-    parser.add_argument("--noop-jobs", type=int, default=20, help="no-op jobs timed in (b)")
+    parser.add_argument("--noop-jobs", type=int, default=100,
+                        help="no-op jobs timed in (b); fewer make the figure mostly start-up")
     parser.add_argument("--skip-a", action="store_true", help="skip part (a)")
     parser.add_argument("--skip-c", action="store_true", help="skip part (c)")
     parser.add_argument("--seed", type=int, default=0)
