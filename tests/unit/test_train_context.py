@@ -77,6 +77,15 @@ def test_choose_backend(requested, gpus, local_rank, expected):
     assert choose_backend(requested, gpus, local_rank) == expected
 
 
+@pytest.mark.parametrize("requested, gpus, local_rank, expected", [
+    (None, 0, 0, ("gloo", "cpu")),        # a server (or a worker) on a CPU node
+    (None, 2, 1, ("gloo", "cuda:1")),     # a GPU worker: same backend as the servers, trains on its GPU
+    ("nccl", 1, 0, ("nccl", "cuda:0")),   # asked for explicitly: the script's choice
+])
+def test_choose_backend_for_a_parameter_server_job(requested, gpus, local_rank, expected):
+    assert choose_backend(requested, gpus, local_rank, parameter_server=True) == expected
+
+
 @pytest.mark.parametrize("requested, gpus, fragment", [
     ("nccl", 0, "backend='nccl' needs a CUDA device"),
     ("tcp", 0, "backend='tcp' is not one of"),

@@ -134,14 +134,22 @@ def context_from_env(env: Mapping[str, str]) -> Context:
     )
 
 
-def choose_backend(requested: str | None, cuda_devices: int, local_rank: int) -> tuple[str, str]:
-    """(backend, device string) for a worker. Pure. Raises ``InvalidSpec`` for an unusable request."""
+def choose_backend(requested: str | None, cuda_devices: int, local_rank: int,
+                   parameter_server: bool = False) -> tuple[str, str]:
+    """(backend, device string) for a worker. Pure. Raises ``InvalidSpec`` for an unusable request.
+
+    Under ``parameter_server`` the job's process group is gloo on every rank by default: its
+    servers run on CPUs (often on CPU nodes, with their own resources) and every rank must
+    build the same backend; gradients and parameters travel over the parameter server's own
+    transport, not the group. A worker with a GPU still trains on it."""
     if requested is not None and requested not in ("gloo", "nccl", "mpi"):
         raise InvalidSpec(f"backend={requested!r} is not one of 'gloo', 'nccl', 'mpi'")
     on_gpu = cuda_devices > 0 and local_rank < cuda_devices
     if requested == "nccl" and not on_gpu:
         raise InvalidSpec(f"backend='nccl' needs a CUDA device for LOCAL_RANK={local_rank}, "
                           f"but {cuda_devices} are visible; use backend='gloo'")
+    if parameter_server and requested is None:
+        return "gloo", (f"cuda:{local_rank}" if on_gpu else "cpu")
     backend = requested or ("nccl" if on_gpu else "gloo")
     device = f"cuda:{local_rank}" if on_gpu and backend == "nccl" else "cpu"
     return backend, device
@@ -199,7 +207,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
         ctx.device = torch.device(f"cuda:{ctx.local_rank}" if ctx.backend == "nccl" else "cpu")
         ctx.distributed = True
     else:
-        chosen_backend, device = choose_backend(backend, cuda_devices, ctx.local_rank)
+        chosen_backend, device = choose_backend(backend, cuda_devices, ctx.local_rank,
+                                                parameter_server=ctx.strategy.kind == "parameter_server")
         ctx.device = torch.device(device)
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
@@ -212,8 +221,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
             timeout = collective_timeout(timeout_s, os.environ.get("RELAY_COLLECTIVE_TIMEOUT_S"))
             if timeout is not None:
                 kwargs["timeout"] = timeout
-            if ctx.device.type == "cuda":
-                kwargs["device_id"] = ctx.device
+            if chosen_backend == "nccl":
+                kwargs["device_id"] = ctx.device  # eager NCCL init, bound to this rank's device
             dist.init_process_group(backend=chosen_backend, init_method="env://",
                                     rank=ctx.rank, world_size=ctx.world_size, **kwargs)
             ctx.distributed = True
