@@ -99,3 +99,13 @@ def cluster_factory(relay_home):
         stop_cluster(cluster.home)
         for pid in cluster.pids:
             assert group_members(pid) == [], f"processes left in group {pid}"
+
+
+@pytest.fixture
+def launches():
+    """Agent ``Launch``es a test starts; each is stopped, and checked to leave nothing, at teardown."""
+    started: list = []
+    yield started
+    for launch in started:
+        launch.stop(grace_s=2)
+        assert launch.remaining_processes() == []

@@ -47,14 +47,6 @@ def make_launch(tmp_path: Path, script: str, *entrypoint: str, zygote: Zygote | 
     return launch
 
 
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        launch.stop(grace_s=2)
-        assert launch.remaining_processes() == []
-
 
 def start(launches, launch: Launch, port: int | None = None) -> None:
     launches.append(launch)

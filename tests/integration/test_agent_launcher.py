@@ -32,6 +32,10 @@ print(f"rank {rank} warns", file=sys.stderr, flush=True)
 if "fail" in sys.argv and rank == 1:
     print("rank 1 gives up", flush=True)
     sys.exit(3)
+if "fail" in sys.argv:
+    # rank 0 waits to be torn down by torchrun after rank 1's exit, rather than racing it into
+    # destroy_process_group (where a closed peer can fail it first on a loaded machine)
+    time.sleep(600)
 if "hang" in sys.argv:
     print(f"rank {rank} ready", flush=True)
     time.sleep(600)
@@ -49,14 +53,6 @@ def make_launch(tmp_path: Path, *args: str, launch_id: str) -> Launch:
         bundle=None, store_url=str(tmp_path / "store"), job_store_prefix="jobs/job-1")
     return Launch(assignment, code_dir=code, run_dir=tmp_path / "run", relay_address="http://127.0.0.1:9")
 
-
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        launch.stop(grace_s=2)
-        assert launch.remaining_processes() == []
 
 
 def unique_id(name: str) -> str:

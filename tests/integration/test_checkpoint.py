@@ -19,13 +19,10 @@ STEPS_PER_EPOCH, EPOCHS, EVERY, KILL_AT = 8, 2, 5, 12  # resumes from step 10, m
 
 
 def run_torchrun(*args, **kwargs):
-    """The owned torchrun launcher of test_train_ddp (one copy of the process handling)."""
-    import importlib.util
+    """The tests' owned torchrun (tests/torchrun_helper.py)."""
+    from torchrun_helper import run_torchrun as run
 
-    spec = importlib.util.spec_from_file_location("train_ddp_helpers", HERE / "test_train_ddp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run_torchrun(*args, **kwargs)
+    return run(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- the worker (run by torchrun)

@@ -31,13 +31,10 @@ ASYNC = {"ddp": False, "local_sgd": False, "diloco": True, "final_average": True
 
 
 def run_torchrun(*args, **kwargs):
-    """The owned torchrun launcher of test_train_ddp (one copy of the process handling)."""
-    import importlib.util
+    """The tests' owned torchrun (tests/torchrun_helper.py)."""
+    from torchrun_helper import run_torchrun as run
 
-    spec = importlib.util.spec_from_file_location("train_ddp_helpers", HERE / "test_train_ddp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run_torchrun(*args, **kwargs)
+    return run(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- the worker (run by torchrun)

@@ -30,8 +30,10 @@ def _digits_module():
 
 
 def run_torchrun(*args, **kwargs):
-    """The owned torchrun launcher of test_train_ddp (one copy of the process handling)."""
-    return _load("train_ddp_helpers", Path(__file__).with_name("test_train_ddp.py")).run_torchrun(*args, **kwargs)
+    """The tests' owned torchrun (tests/torchrun_helper.py)."""
+    from torchrun_helper import run_torchrun as run
+
+    return run(*args, **kwargs)
 
 
 def _records(path: Path) -> list[dict]:

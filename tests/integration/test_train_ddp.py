@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,22 +34,10 @@ def _dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (len(images),), generator=generator))
 
 
-def run_torchrun(script: list[str], *, nproc: int, env: dict[str, str], cwd: Path | str,
-                 timeout: float = 150) -> subprocess.CompletedProcess:
-    """torchrun on 127.0.0.1 with an OS-chosen port; the whole process group is killed on the way out."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *script]
-    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+def run_torchrun(*args, **kwargs) -> subprocess.CompletedProcess:
+    from torchrun_helper import run_torchrun as run
+
+    return run(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- the worker (run by torchrun)
