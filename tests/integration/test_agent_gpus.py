@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import pytest
 
@@ -35,7 +36,6 @@ def test_each_launch_gets_its_own_devices(cluster_factory, tmp_path):
         def printed(job_id):
             return next((line.text for line in c.iter_logs(job_id) if line.text.startswith("devices=")), None)
 
-        import time
         deadline = time.monotonic() + 90
         while not all(printed(j.id) for j in jobs):
             assert time.monotonic() < deadline, [(c.job(j.id).state, c.job(j.id).failure) for j in jobs]

@@ -217,7 +217,6 @@ class ClusterService:
             try:
                 self.tick()
             except Exception:  # the loop must survive a bad row; the error is logged
-                import logging
                 logging.getLogger("torchrelay.server").exception("scheduler tick failed")
             # a long queue makes a cycle cost more: space cycles so that they hold the lock at
             # most about a third of the time and requests (submits, heartbeats) get through
@@ -1063,7 +1062,8 @@ class ClusterService:
         try:
             self.store.put_bytes(ArtifactStore.attempt_key(row.id), str(row.attempt).encode())
         except (StorageError, OSError) as exc:
-            logging.getLogger("torchrelay.server").warning("job %s: could not write the checkpoint fence for attempt %d: %s", row.id, row.attempt, exc)
+            logging.getLogger("torchrelay.server").warning(
+                "job %s: could not write the checkpoint fence for attempt %d: %s", row.id, row.attempt, exc)
 
     # ------------------------------------------------------------ internals: views
 
