@@ -165,18 +165,27 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
         except (OSError, IndexError, ValueError):
             return float("nan")
 
+    def across_ranks(spans):
+        """Each step from the first rank's start to the last rank's end. perf_counter is
+        CLOCK_MONOTONIC, one clock for every process of the host, so no barrier (≈ 1 ms of
+        gloo round trips) has to sit inside the timed span. Collective."""
+        everyone = [None, None]
+        dist.all_gather_object(everyone, spans)
+        return [max(e0, e1) - min(s0, s1)
+                for (s0, e0), (s1, e1) in zip(everyone[0], everyone[1])]
+
     def run(pipe, x, y, n, name=None):
-        times, busy = [], []
+        spans, busy = [], []
         for _ in range(n):
             dist.barrier()
             q0 = run_queue_s()
             t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             pipe.module.zero_grad(set_to_none=True)
+            spans.append((t0, time.perf_counter()))
             c1, th1 = time.process_time(), time.thread_time()
             q1 = run_queue_s()
-            dist.barrier()  # the step ends when both stages are done
-            times.append(time.perf_counter() - t0)
+            dist.barrier()  # the next step starts when both stages are done
             busy.append(getattr(pipe.runner, "last_busy_s", float("nan")))
             if name:
                 if getattr(pipe.runner, "last_trace", None):
@@ -185,7 +194,7 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
                 cpu.setdefault(f"{name} main thread", []).append(th1 - th0)
                 cpu.setdefault(f"{name} compute", []).append(busy[-1])
                 cpu.setdefault(f"{name} run queue", []).append(q1 - q0)
-        return times, busy
+        return across_ranks(spans), busy
 
     # this rank's half of the MLP alone (the other rank waits): compute without a neighbour
     own_half = torch.nn.Sequential(*[materialize_module(b, "cpu", i) for i, b in
@@ -204,17 +213,17 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
                     cpu.setdefault("isolated half", []).append(time.thread_time() - c0)
 
     def run_baseline(n):
-        times = []
+        spans = []
         for _ in range(n):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             if rank == 0:
                 baseline_step()
+            spans.append((t0, time.perf_counter()))
             c1 = time.process_time()
             dist.barrier()  # rank 1 waits in the barrier, off the CPU
-            times.append(time.perf_counter() - t0)
             cpu.setdefault("baseline", []).append(c1 - c0)
-        return times
+        return across_ranks(spans)
 
     # warm up every configuration (first steps learn shapes)
     run_baseline(2)

@@ -32,6 +32,7 @@ from torch import nn
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.spec import PipelineStrategy
+from torchrelay.train.allocator import keep_freed_memory
 from torchrelay.train.pipeline.meta import as_blocks, is_on_meta, materialize_module
 from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Plan,
                                                  plan_from_boundaries, plan_stages)
@@ -144,6 +145,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                           f"workers to stages × replicas")
     device = torch.device(device) if device is not None else getattr(ctx, "device", None) \
         or default_device()
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults from re-allocating each step (allocator.py)
     interleaved = strategy.schedule == "interleaved_1f1b"
     chunks_per_rank = virtual_stages if interleaved else 1
     plan_stage_count = num_stages * chunks_per_rank

@@ -141,6 +141,11 @@ class LeanPipeline:
         self._clock = compute_clock(device)  # the profiler's clock: like compares with like
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._split_last = True  # off after a graph the split cannot handle (_backward_input)
+        # For the split: the stage's blocks and each one's trainable parameters (a
+        # Sequential's children; any other module is one block).
+        self._blocks = list(module) if isinstance(module, nn.Sequential) else [module]
+        self._block_params = [[p for p in b.parameters() if p.requires_grad]
+                              for b in self._blocks]
 
     @property
     def is_first(self) -> bool:
@@ -224,6 +229,8 @@ class LeanPipeline:
         acts_ready = grads_ready = 0  # shared-memory "slot ready" signals seen this step
         total_loss = torch.zeros((), device=self.device)
         busy = 0.0
+        split_inputs: list = []  # the split micro-batch's block inputs (first = stage input)
+        split_grads: tuple = ()
         last_b = self.actions[-1][1]
         now = clock()
         trace.append(("S", -1, now - mark))
@@ -243,7 +250,14 @@ class LeanPipeline:
                     x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
                 stage_inputs[m] = x
                 started = clock()
-                out = self.module(x)
+                if m == last_b and self._split_last and not self.is_first:
+                    # keep each block's input: the split backward needs their gradients
+                    out, split_inputs = x, []
+                    for block in self._blocks:
+                        split_inputs.append(out)
+                        out = block(out)
+                else:
+                    out = self.module(x)
                 if self.is_last:
                     loss = self.loss_fn(out, target_chunks[m]) * (sizes[m] / batch)
                     total_loss += loss.detach()
@@ -287,7 +301,9 @@ class LeanPipeline:
                         grad_recvs[m].wait()
                     grad_out = grad_bufs[m]
                 started = clock()
-                split = split and self._backward_input(outputs[m], grad_out, stage_inputs[m])
+                if split:
+                    split_grads = self._backward_input(outputs[m], grad_out, split_inputs)
+                    split = bool(split_grads)
                 if not split:
                     torch.autograd.backward(outputs[m], grad_out)
                 busy += clock() - started
@@ -305,7 +321,8 @@ class LeanPipeline:
                     now = clock()
                     trace.append(("B", m, now - mark))
                     mark = now
-                    self._backward_weights(outputs[m], grad_out)
+                    self._backward_weights(outputs[m], grad_out, split_inputs, split_grads)
+                    split_inputs, split_grads = [], ()
                     busy += clock() - now
                     kind = "W"  # the trace's record of the weights' part
                 outputs[m] = stage_inputs[m] = None
@@ -330,30 +347,49 @@ class LeanPipeline:
         return total_loss if self.is_last else None
 
     def _backward_input(self, output: torch.Tensor, grad: torch.Tensor | None,
-                        stage_input: torch.Tensor) -> bool:
-        """The gradient of ``stage_input`` alone, into its ``.grad``, keeping the graph for
-        ``_backward_weights``. Returns False (nothing computed: run the plain backward,
-        as every later step will) when the input takes no gradient or the graph cannot be
-        differentiated twice.
+                        block_inputs: list[torch.Tensor]) -> tuple:
+        """The gradients of every block's input (``block_inputs[0]`` is the stage input, whose
+        gradient goes to its ``.grad``), keeping the graph for ``_backward_weights``. Returns
+        them, or ``()`` (nothing computed: run the plain backward, as every later step will)
+        when the stage input takes no gradient or the graph cannot be differentiated so.
 
-        Why by hand: the input part skips every weight-gradient product and the weights'
-        part then redoes only the chain's input-side products it needs (for an MLP stage
-        0.9 + 2.1 ms against 2.2 ms in one pass, of which only the 0.9 delays the previous
-        stage); torch's own split (``pipelining._backward``, for its zero-bubble
-        schedules) walks the graph in Python and took 1.3 + 2.5 ms."""
-        if not stage_input.requires_grad or not self._params:
-            return False
+        Why by hand: this pass skips every weight-gradient product, and with each block's
+        output gradient kept, the weights' part then computes only each block's own weight
+        products (it redid the chain's input-side products when only the stage input's
+        gradient was kept: 0.9 + 2.1 ms against 2.2 ms in one pass for an MLP stage).
+        torch's own split (``pipelining._backward``, for its zero-bubble schedules) walks
+        the graph in Python and took 1.3 + 2.5 ms."""
+        if not block_inputs or not block_inputs[0].requires_grad or not self._params:
+            return ()
         try:
-            (stage_input.grad,) = torch.autograd.grad(output, [stage_input], grad,
-                                                      retain_graph=True, allow_unused=False)
+            grads = torch.autograd.grad(output, block_inputs, grad, retain_graph=True,
+                                        allow_unused=True)
         except RuntimeError:
             self._split_last = False
-            return False
-        return True
+            return ()
+        if grads[0] is None:
+            self._split_last = False
+            return ()
+        block_inputs[0].grad = grads[0]
+        return grads
 
-    def _backward_weights(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """The weights' gradients after ``_backward_input`` (accumulated into ``.grad``)."""
-        torch.autograd.backward(output, grad, inputs=self._params)
+    def _backward_weights(self, output: torch.Tensor, grad: torch.Tensor | None,
+                          block_inputs: list[torch.Tensor], grads: tuple) -> None:
+        """The weights' gradients after ``_backward_input``, accumulated into ``.grad``:
+        block ``j``'s from its output's gradient (the next block's input's, or the stage
+        output's), so no block's input-side products run twice. A block whose output took
+        no gradient (``None``) gets none, as in the plain backward."""
+        last = len(self._blocks) - 1
+        for j, params in enumerate(self._block_params):
+            if not params:
+                continue
+            if j < last:
+                if grads[j + 1] is None or block_inputs[j + 1].grad_fn is None:
+                    continue
+                root, root_grad = block_inputs[j + 1], grads[j + 1]
+            else:
+                root, root_grad = output, grad
+            torch.autograd.backward(root, root_grad, inputs=params)
 
     def _send_description(self, tensor: torch.Tensor, dst: int, m: int) -> None:
         if tensor.dim() > _HEADER_LEN - 2:
