@@ -266,18 +266,21 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
     costs = profile_blocks(blocks, sample, device, optimizer_factory=optimizer_factory,
                            loss_fn=loss_fn, sample_target=sample_target, seed=seed,
                            window_bytes=-(-model_bytes // plan_stage_count))
-    times = [None] * dist.get_world_size()
-    dist.all_gather_object(times, [c.time_s for c in costs])
+    cap = mem_cap_bytes
+    if cap is None and device.type == "cuda":
+        cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    # each rank's own block times, device and memory cap: stages may sit on different devices
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, ([c.time_s for c in costs], str(device), cap))
     link = measure_link(0, 1, device=device) if dist.get_world_size() > 1 else Link()
     links = [None] * dist.get_world_size()
     dist.all_gather_object(links, (link.bandwidth_bytes_per_s, link.latency_s))
     link = Link(*links[0])
-    cap = mem_cap_bytes
-    if cap is None and device.type == "cuda":
-        cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
-    devices = [DeviceSpec(name=f"rank{k % num_stages}:{device}", mem_cap_bytes=cap,
-                          block_times_s=tuple(times[k % num_stages]))
-               for k in range(plan_stage_count)]
+    devices = []
+    for k in range(plan_stage_count):
+        times, device_name, device_cap = per_rank[k % num_stages]
+        devices.append(DeviceSpec(name=f"rank{k % num_stages}:{device_name}",
+                                  mem_cap_bytes=device_cap, block_times_s=tuple(times)))
     result = [plan_stages(costs, devices, link, strategy.microbatches, schedule)]
     dist.broadcast_object_list(result, src=0)
     return result[0]

@@ -51,16 +51,20 @@ def is_on_meta(module: nn.Module) -> bool:
 
 
 def materialize_module(module: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate ``module`` (on meta) on ``device`` and initialise it reproducibly; returns it."""
+    """Allocate ``module`` (on meta) on ``device`` and initialise it reproducibly; returns it.
+
+    Initialised on the CPU under ``seed`` and then moved, so a block's weights do not depend
+    on the device it lands on (a GPU's random numbers differ from the CPU's for one seed):
+    a stage on a GPU holds the same weights as the unsplit model built on the CPU."""
     for sub in module.modules():
         owns = any(True for _ in sub.parameters(recurse=False))
         if owns and not hasattr(sub, "reset_parameters"):
             raise ValueError(f"cannot initialise {type(sub).__name__} after meta construction: "
                              f"it owns parameters but has no reset_parameters(); add one")
-    module.to_empty(device=device)
+    module.to_empty(device="cpu")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for sub in module.modules():
             if hasattr(sub, "reset_parameters") and any(True for _ in sub.parameters(recurse=False)):
                 sub.reset_parameters()
-    return module
+    return module.to(device)

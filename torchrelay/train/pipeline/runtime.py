@@ -26,7 +26,8 @@ costs seconds of lazy imports). It assumes point-to-point messages are matched b
 (``prev_channel``/``next_channel``, see shm.py) use gloo only for the first step of a shape;
 from then on activations and gradients go through shared-memory slots with a one-byte signal
 each (no gloo threads, at most one wake-up per message), and the per-step header goes over
-the same channel.
+the same channel. A stage on a GPU (device not CPU) sends and receives through host copies,
+since gloo moves host memory only; that lets a GPU stage and a CPU stage share a pipeline.
 
 On every stage but the first, the step's last backward is split (input gradient first, sent
 at once; then the weights' gradients while the previous stage runs its own last backward),
@@ -139,6 +140,9 @@ class LeanPipeline:
         # gives the step on idle cores (bench/pipeline.py does).
         self.last_trace: list[tuple[str, int, float]] = []
         self._clock = compute_clock(device)  # the profiler's clock: like compares with like
+        # gloo moves host memory only: a stage on a GPU sends and receives through host
+        # copies of its activations and gradients (a CPU neighbour then needs none)
+        self._staged = torch.device(device).type != "cpu"
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._split_last = True  # off after a graph the split cannot handle (_backward_input)
         # For the split: the stage's blocks and each one's trainable parameters (a
@@ -247,7 +251,8 @@ class LeanPipeline:
                             acts_ready += len(prev_ch.read_some(m_count - acts_ready))
                     else:
                         act_recvs[m].wait()
-                    x = in_bufs[m].detach().requires_grad_(in_bufs[m].is_floating_point())
+                    x = in_bufs[m].to(self.device) if self._staged else in_bufs[m]
+                    x = x.detach().requires_grad_(x.is_floating_point())
                 stage_inputs[m] = x
                 started = clock()
                 if m == last_b and self._split_last and not self.is_first:
@@ -281,6 +286,8 @@ class LeanPipeline:
                         mark = now
                         continue
                     send_buf = out.detach().contiguous()
+                    if self._staged:
+                        send_buf = send_buf.cpu()
                     if not known:
                         self._send_description(send_buf, nxt, m)
                         grad_bufs[m] = torch.empty_like(send_buf)
@@ -299,7 +306,7 @@ class LeanPipeline:
                             grads_ready += len(next_ch.read_some(m_count - grads_ready))
                     else:
                         grad_recvs[m].wait()
-                    grad_out = grad_bufs[m]
+                    grad_out = grad_bufs[m].to(self.device) if self._staged else grad_bufs[m]
                 started = clock()
                 if split:
                     split_grads = self._backward_input(outputs[m], grad_out, split_inputs)
@@ -315,7 +322,7 @@ class LeanPipeline:
                         prev_shm.grads[m].copy_(grad)
                         prev_ch.write(b"B")
                     else:
-                        grad = grad.contiguous()
+                        grad = grad.cpu() if self._staged else grad.contiguous()
                         sends.append((dist.isend(grad, prev, group=group, tag=2 + 2 * m), grad))
                 if split:
                     now = clock()
@@ -404,7 +411,8 @@ class LeanPipeline:
         desc = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         dist.recv(desc, src, group=self.group, tag=_DESC_TAG + m)
         values = desc.tolist()
-        buf = torch.empty(values[2:2 + values[1]], dtype=_DTYPES[values[0]], device=self.device)
+        buf = torch.empty(values[2:2 + values[1]], dtype=_DTYPES[values[0]],
+                          device="cpu" if self._staged else self.device)
         dist.recv(buf, src, group=self.group, tag=1 + 2 * m)
         return buf
 
@@ -460,8 +468,10 @@ class TorchPipeline:
         if self.is_last and targets is None:
             raise InvalidSpec("pipeline: the last stage must pass targets")
         losses: list = []
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        # torch's stages check each micro-batch's strides against the first (2.11 does):
+        # a sliced batch (tokens[:, :-1]) is made contiguous first
+        args = (inputs.contiguous(),) if self.is_first else ()
+        kwargs = {"target": targets.contiguous(), "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
         if self.dp_group is not None:
             for module in self.modules:
