@@ -14,10 +14,6 @@ does on CPU:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,37 +23,12 @@ import torch
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_workers(tmp_path: Path, world: int, scenario: str, timeout: float = 240) -> list[dict]:
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = []
-    try:
-        for rank in range(world):
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, scenario, str(rank), str(world), str(port),
-                 str(tmp_path)],
-                env=env, start_new_session=True, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT))
-        outputs = [proc.communicate(timeout=timeout)[0].decode(errors="replace")
-                   for proc in procs]
-        for rank, proc in enumerate(procs):
-            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{outputs[rank]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return [json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
-            for rank in range(world)]
+def _run_workers(tmp_path: Path, world: int, scenario: str, timeout: float = 180) -> list[dict]:
+    """This file's ranks, owned (tests/rank_scripts.py)."""
+    from rank_scripts import run_ranks
+    return run_ranks(__file__, tmp_path, world, scenario, timeout)
 
 
 def _check_cases(results: list[dict]) -> dict[str, list[dict]]:
