@@ -5,30 +5,35 @@
     accumulation (DESIGN §6: micro-batches are not free, so the baseline micro-batches too).
     Rows for our lean 1F1B and GPipe and for torch.distributed.pipelining's 1F1B and GPipe.
 (b) auto_vs_equal, auto_vs_best: the char transformer with a large embedding and head
-    (``LM``: vocabulary 16384, width 128, 10 layers, 4 × 32 tokens per micro-batch; 12
+    (``LM``: vocabulary 22528, width 128, 10 layers, 4 × 32 tokens per micro-batch; 12
     blocks). The issue's scenario is a model whose embedding and head are heavy enough that
-    cutting it into equal layer counts is clearly wrong: here the embedding holds 2.1 M
-    parameters (as many as all 10 layers) and costs about one layer's time (its gradient is
-    a dense 16384 × 128 table), and the head (a 128 × 16384 projection and its softmax)
-    costs about 10 layers' time, ≈ 43% of the model. The equal-layer split (embedding + 5
-    layers | 5 layers + head) then has its slowest stage ≈ 1.4× the best cut's. How much
-    any cut can gain is bounded: with 2 stages × 8 micro-batches a step is ≈ 7 × the slowest
-    stage + both stages, so no cut beats the equal split by more than ≈ 1.39× whatever the
-    head's size (the bound is reached when the head is half the model; a heavier head is
-    then the slowest stage alone for every cut). Checked in session 2: vocabulary 20480
-    (head ≈ half) did not widen the gap, because the best cut can no longer balance the
-    stages at block granularity. Step time of the profiled automatic plan against the
-    equal-layer split and against the fastest of all 11 contiguous 2-stage splits, each
-    measured (an exhaustive search). ``auto_cut`` / ``best_cut_replay`` name the plan's cut
-    and the fastest cut by replay; ``auto_cut_vs_best_replay`` compares the two cuts' own
-    configurations, which says whether the plan chose well without the run-to-run noise
-    between two separately built pipelines of the same plan.
+    cutting it into equal layer counts is clearly wrong: here the embedding holds 2.9 M
+    parameters (1.4× all 10 layers) and costs about one layer's time (its gradient is a
+    dense 22528 × 128 table), and the head (a 128 × 22528 projection and its softmax) costs
+    about 10 layers' time, ≈ 47% of the model. The equal-layer split (embedding + 5 layers |
+    5 layers + head) then has its slowest stage ≈ 1.35× the best cut's. How much any cut can
+    gain is bounded: with 2 stages × 8 micro-batches a step is ≈ 7 × the slowest stage +
+    both stages, so no cut beats the equal split by more than ≈ 1.39× whatever the head's
+    size (the bound is reached when the head is half the model; a heavier head is then the
+    slowest stage alone for every cut); with the embedding costing a layer and 10 layers,
+    ≈ 1.35. The vocabulary was 16384 until session 3; once glibc stopped re-faulting the
+    head's and embedding's 8 MiB gradients every step (``torchrelay/train/allocator.py``)
+    the head was ≈ 40% of that model, and even its best cut predicted only ≈ 1.24× and
+    measured 1.28× the equal split, so the head was made ≈ half the model again. Step
+    time of the profiled automatic plan against the equal-layer split and against the
+    fastest of all 11 contiguous 2-stage splits, each measured (an exhaustive search).
+    ``auto_cut`` / ``best_cut_replay`` name the plan's cut and the fastest cut by replay;
+    ``auto_cut_vs_best_replay`` compares the two cuts' own configurations, which says
+    whether the plan chose well without the run-to-run noise between two separately built
+    pipelines of the same plan.
 (c) prediction_error: the plan's predicted compute time per micro-batch of each stage over
     the time the stage really computed per micro-batch in the pipeline (largest |ratio - 1|).
 (d) plan_s_100x8: planning time for 100 blocks on 8 stages.
 
 All configurations run in one pair of processes, interleaved round by round, so machine
-noise hits them alike. Since the machine is shared, each figure also comes from CPU time:
+noise hits them alike; each turn's first step is not recorded (it runs on caches the other
+configurations filled). A step is timed from the first rank's start to the last rank's end
+on the host's monotonic clock, with no barrier inside the span. Since the machine is shared, each figure also comes from CPU time:
 ``*_replay`` replays both ranks' per-action CPU traces of each step (our runtime's
 ``last_trace``, ``runtime.replay_step``), which gives the step on two idle cores with free
 messages, i.e. what the schedule and our per-micro-batch overhead cost without the other
@@ -54,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MLP = dict(width=512, depth=8, microbatch=32, microbatches=8)
-LM = dict(vocab=16384, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
+LM = dict(vocab=22528, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
 
 
 def _free_port() -> int:
@@ -175,8 +180,11 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
                 for (s0, e0), (s1, e1) in zip(everyone[0], everyone[1])]
 
     def run(pipe, x, y, n, name=None):
+        """``n`` recorded steps of ``pipe``, after one that is not: configurations take turns,
+        and the first step after a switch runs on caches the others filled (≈ 10% slower
+        here), which a job running one configuration never sees."""
         spans, busy = [], []
-        for _ in range(n):
+        for step_index in range(n + 1):
             dist.barrier()
             q0 = run_queue_s()
             t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -186,6 +194,9 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
             c1, th1 = time.process_time(), time.thread_time()
             q1 = run_queue_s()
             dist.barrier()  # the next step starts when both stages are done
+            if step_index == 0:
+                spans.pop()
+                continue
             busy.append(getattr(pipe.runner, "last_busy_s", float("nan")))
             if name:
                 if getattr(pipe.runner, "last_trace", None):
@@ -214,15 +225,16 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
 
     def run_baseline(n):
         spans = []
-        for _ in range(n):
+        for step_index in range(n + 1):  # the first step is not recorded, as in run()
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             if rank == 0:
                 baseline_step()
-            spans.append((t0, time.perf_counter()))
-            c1 = time.process_time()
+            t1, c1 = time.perf_counter(), time.process_time()
             dist.barrier()  # rank 1 waits in the barrier, off the CPU
-            cpu.setdefault("baseline", []).append(c1 - c0)
+            if step_index:
+                spans.append((t0, t1))
+                cpu.setdefault("baseline", []).append(c1 - c0)
         return across_ranks(spans)
 
     # warm up every configuration (first steps learn shapes)
