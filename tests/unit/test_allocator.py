@@ -1,5 +1,6 @@
 """torchrelay.train.allocator: glibc keeps a step's freed memory instead of re-faulting it."""
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -34,7 +35,7 @@ def _probe(env_extra: dict) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_tuned_process_reuses_freed_memory_without_page_faults():
     applied, steady_faults = _probe({})
     assert applied == "True"

@@ -1,9 +1,10 @@
 """Keep glibc's malloc from handing a training step's memory back to the kernel every step.
 
 Contract: ``keep_freed_memory()`` raises glibc's trim threshold (never shrink the heap) and
-fixes its mmap threshold at 32 MiB (tensors up to that size come from the heap, and are
-reused, instead of a fresh ``mmap`` each time). Process-wide; idempotent; returns True when
-applied, False where the C library is not glibc or ``TORCHRELAY_MALLOC_TUNE=0``. Never raises.
+fixes its mmap threshold at glibc's maximum, 32 MiB on 64-bit (tensors up to that size come
+from the heap, and are reused, instead of a fresh ``mmap`` each time). Process-wide;
+idempotent; returns True when both settings took, False where the C library is not glibc,
+glibc refused one of them, or ``TORCHRELAY_MALLOC_TUNE=0``. Never raises.
 
 Why: a CPU training step frees and reallocates the same tensors every step (activations,
 and gradients when the optimizer zeroes them with ``set_to_none=True``, torch's default).
@@ -24,7 +25,8 @@ import os
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's largest allowed on 64-bit
+# glibc's largest allowed mmap threshold: 4 MiB × sizeof(long), 32 MiB on 64-bit
+MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: ≈ never trim
 
 _applied: bool | None = None
@@ -47,6 +49,7 @@ def keep_freed_memory() -> bool:
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    _applied = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and \
-        bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    trimmed = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    fixed_mmap = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    _applied = trimmed and fixed_mmap
     return _applied

@@ -118,9 +118,9 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     ``strategy`` defaults to ``ctx.strategy`` when that is a pipeline strategy (the job
     spec's), else to ``PipelineStrategy()``; a dict is validated as one.
 
-    ``transport`` (lean runtime): "auto"/"shm" pass activations and gradients between
-    neighbour stages on one host through shared memory (runtime.py, shm.py) when every rank
-    is on CPU, else gloo; "gloo" always uses gloo send/recv.
+    ``transport`` (lean runtime): "auto"/"shm" pass activations and gradients between two
+    neighbour stages through shared memory (runtime.py, shm.py) when both are CPU ranks on
+    one host, else gloo (a GPU rank through host copies); "gloo" always uses gloo send/recv.
 
     Raises ``InvalidSpec`` when the world size does not match stages × replicas, when an
     automatic plan has no ``sample``, or for a schedule the runtime cannot run;
@@ -253,8 +253,11 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
         bounds = [*(plan if plan is not None else [0]), len(blocks)]
         unit = [BlockCost(time_s=1.0, name=f"{i}:{type(b).__name__}")
                 for i, b in enumerate(blocks)]
-        return plan_from_boundaries(unit, [DeviceSpec(str(device))] * plan_stage_count,
-                                    bounds, microbatches=strategy.microbatches,
+        names = [None] * dist.get_world_size()  # stages may sit on different devices
+        dist.all_gather_object(names, str(device))
+        devices = [DeviceSpec(f"rank{k % num_stages}:{names[k % num_stages]}")
+                   for k in range(plan_stage_count)]
+        return plan_from_boundaries(unit, devices, bounds, microbatches=strategy.microbatches,
                                     schedule=schedule)
     if sample is None:
         raise InvalidSpec("pipeline: stages are planned from a profile, which needs sample= "

@@ -55,7 +55,8 @@ def materialize_module(module: nn.Module, device: torch.device | str, seed: int)
 
     Initialised on the CPU under ``seed`` and then moved, so a block's weights do not depend
     on the device it lands on (a GPU's random numbers differ from the CPU's for one seed):
-    a stage on a GPU holds the same weights as the unsplit model built on the CPU."""
+    a stage on a GPU holds the same weights as the unsplit model built on the CPU. The cost:
+    each block passes through host memory once, initialised by the CPU."""
     for sub in module.modules():
         owns = any(True for _ in sub.parameters(recurse=False))
         if owns and not hasattr(sub, "reset_parameters"):

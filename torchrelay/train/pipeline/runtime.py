@@ -145,11 +145,19 @@ class LeanPipeline:
         self._staged = torch.device(device).type != "cpu"
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._split_last = True  # off after a graph the split cannot handle (_backward_input)
-        # For the split: the stage's blocks and each one's trainable parameters (a
-        # Sequential's children; any other module is one block).
-        self._blocks = list(module) if isinstance(module, nn.Sequential) else [module]
+        # For the split: the stage's blocks and each one's trainable parameters. A plain
+        # Sequential without hooks runs its children in turn, so they are the blocks; any
+        # other module (a subclass may change forward) is one block.
+        plain = type(module) is nn.Sequential and not (module._forward_hooks or
+                                                       module._forward_pre_hooks)
+        self._blocks = list(module) if plain else [module]
         self._block_params = [[p for p in b.parameters() if p.requires_grad]
                               for b in self._blocks]
+        # A parameter used by two blocks (a repeated layer) takes gradient from both: the
+        # weights' part then runs as one backward over the whole stage.
+        owned = [id(p) for params in self._block_params for p in params]
+        if len(owned) != len(set(owned)):
+            self._blocks, self._block_params = [module], [self._params]
 
     @property
     def is_first(self) -> bool:
