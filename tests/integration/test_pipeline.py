@@ -34,7 +34,7 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     expected = {"mlp-lean-gpipe", "mlp-lean-1f1b", "mlp-lean-gloo-1f1b", "mlp-torch-gpipe",
                 "mlp-torch-1f1b",
                 "mlp-torch-interleaved_1f1b", "lm-lean-1f1b-auto", "lm-torch-1f1b-auto",
-                "charlm-lean-gpipe"}
+                "mlp5-lean-1f1b-auto", "charlm-lean-gpipe"}
     assert set(cases) == expected
     for name, per_rank in cases.items():
         assert len(per_rank) == 2, name
@@ -46,7 +46,7 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
         assert len(losses) == 1, name  # only the last stage reports a loss
         assert losses[0] == pytest.approx(per_rank[0]["reference_loss"], rel=1e-5), name
         # the lean runtime's neighbours on this host talk through shared memory by default
-        expected_shm = name.startswith(("mlp-lean", "lm-lean", "charlm-lean")) \
+        expected_shm = name.startswith(("mlp-lean", "mlp5-lean", "lm-lean", "charlm-lean")) \
             and "gloo" not in name
         assert [c["shared_memory"] for c in per_rank] == [expected_shm] * 2, name
         # the lean runtime splits the last backward on every stage but the first
@@ -58,6 +58,11 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     auto = cases["lm-lean-1f1b-auto"]
     assert auto[0]["plan"] == auto[1]["plan"]
     assert len(auto[0]["plan"]["stages"]) == 2
+    # a close call between two cuts was measured, and the plan says which it kept
+    refined = cases["mlp5-lean-1f1b-auto"][0]["plan"]
+    assert any("measured the cuts" in note and "[2]" in note and "[3]" in note
+               for note in refined["notes"]), refined["notes"]
+    assert refined["stages"][1]["blocks"][0] in (2, 3)
     errors = results[0]["errors"]
     assert errors["stages"].startswith("InvalidSpec") and "stages=3" in errors["stages"] \
         and "has 2" in errors["stages"]
@@ -128,14 +133,14 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         return full, total
 
     def run_case(name, make_blocks, data, loss_fn, schedule, runtime, plan, seed=3,
-                 microbatches=4, transport="auto"):
+                 microbatches=4, transport="auto", refine=0.06):
         inputs, targets, sample, sample_target = data
         meta = build_on_meta(make_blocks)
         strategy = PipelineStrategy(kind="pipeline", microbatches=microbatches,
                                     schedule=schedule)
         given = copy.deepcopy(meta)
         pipe = prepare(given, loss_fn, strategy, sample=sample, sample_target=sample_target,
-                       plan=plan, runtime=runtime, seed=seed, transport=transport)
+                       plan=plan, runtime=runtime, seed=seed, transport=transport, refine=refine)
         others_on_meta = all(is_on_meta(b) for i, b in enumerate(given) if i not in pipe.blocks)
         own_materialised = not any(is_on_meta(b) for b in pipe.blocks.values())
         full, ref_loss = reference(meta, seed, inputs, targets, loss_fn, microbatches)
@@ -205,6 +210,12 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
             case, _, _ = run_case(f"lm-{runtime}-1f1b-auto", lm, lm_data, lm_loss, "1f1b",
                                   runtime, None)
             result["cases"].append(case)
+        # 5 equal blocks: cuts [0, 2] and [0, 3] are predicted within a few percent (tiny
+        # blocks time noisily, hence the wide tolerance), so the plan is settled by timing
+        # both as whole stages (a note in the plan says so)
+        case, _, _ = run_case("mlp5-lean-1f1b-auto", lambda: balanced_mlp(32, 5), mlp_data,
+                              mse_loss, "1f1b", "lean", None, refine=0.5)
+        result["cases"].append(case)
         # the example char LM (examples/charlm/model.py), whole model given as nn.Sequential
         from examples.charlm.model import CharLM, CharLMConfig
         from examples.charlm.model import lm_loss as charlm_loss

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from torchrelay.errors import InvalidSpec, Unschedulable
 from torchrelay.train.pipeline.partition import (
-    BlockCost, DeviceSpec, Link, PlanInfeasible, equal_split, exhaustive_plan, plan_from_boundaries,
-    plan_stages,
+    BlockCost, DeviceSpec, Link, PlanInfeasible, equal_split, exhaustive_plan, near_optimal_cuts,
+    plan_from_boundaries, plan_stages,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,3 +176,30 @@ def test_plans_100_blocks_into_8_stages():
     assert len(plan.stages) == 8 and plan.stages[-1].stop == 100
     assert all(s.mem_bytes <= s.mem_cap_bytes for s in plan.stages)
 
+
+
+# near_optimal_cuts: the plan's own cut first, then neighbours within the tolerance
+@pytest.mark.parametrize("times, stages, tolerance, expected", [
+    ([1, 1, 1, 1, 1, 1], 2, 0.06, [[0, 3, 6]]),  # both neighbours are 4/3 slower
+    ([1, 1, 1, 1, 1, 1], 2, 0.4, [[0, 3, 6], [0, 2, 6], [0, 4, 6]]),
+    ([2, 1, 1, 2], 2, 0.6, [[0, 2, 4], [0, 1, 4], [0, 3, 4]]),
+    ([2, 1, 1, 2], 2, 0.0, [[0, 2, 4]]),
+    ([1, 1, 1], 3, 0.5, [[0, 1, 2, 3]]),  # no boundary can move
+    ([3, 1, 1, 1, 3], 3, 0.5, [[0, 1, 4, 5], [0, 2, 4, 5], [0, 1, 3, 5]]),
+])
+def test_near_optimal_cuts_table(times, stages, tolerance, expected):
+    blocks = [BlockCost(time_s=t) for t in times]
+    devices = [DeviceSpec(f"d{k}") for k in range(stages)]
+    plan = plan_stages(blocks, devices, microbatches=4)
+    assert near_optimal_cuts(blocks, devices, plan, microbatches=4,
+                             tolerance=tolerance) == expected
+
+
+def test_near_optimal_cuts_skip_cuts_over_a_memory_cap():
+    blocks = [BlockCost(time_s=1.0, param_bytes=100), BlockCost(time_s=1.0, param_bytes=100),
+              BlockCost(time_s=1.0, param_bytes=100)]
+    devices = [DeviceSpec("a", mem_cap_bytes=150), DeviceSpec("b", mem_cap_bytes=250)]
+    plan = plan_stages(blocks, devices)
+    assert [*plan.boundaries, 3] == [0, 1, 3]
+    # moving the cut to [0, 2, 3] ties on time but puts 200 bytes on the 150-byte device
+    assert near_optimal_cuts(blocks, devices, plan, tolerance=1.0) == [[0, 1, 3]]

@@ -135,3 +135,20 @@ def test_profile_runs_the_window_that_ends_the_model_without_interleaving():
 def test_profile_refuses_a_negative_in_flight():
     with pytest.raises(ValueError, match="in_flight=-1"):
         profile_blocks([nn.Linear(2, 2)], torch.randn(1, 2), in_flight=-1)
+
+
+def test_time_stage_runs_a_stage_from_its_input_and_leaves_the_model_on_meta():
+    from torchrelay.train.pipeline.profile import time_stage
+    blocks = build_on_meta(lambda: char_transformer(vocab=256, dim=16, depth=3, heads=2,
+                                                    context=8))
+    ids = torch.randint(0, 256, (2, 8))
+    inputs: list = []
+    profile_blocks(blocks, ids, warmup=1, repeats=1, loss_fn=lm_loss, sample_target=ids,
+                   block_inputs=inputs)
+    assert len(inputs) == len(blocks) and inputs[0].dtype == torch.int64
+    assert inputs[2].shape == (2, 8, 16)  # what block 1 hands to block 2
+    middle = time_stage(blocks, 1, 3, inputs[1], warmup=1, repeats=2)
+    last = time_stage(blocks, 3, 5, inputs[3], loss_fn=lm_loss, sample_target=ids,
+                      warmup=1, repeats=2)
+    assert middle > 0 and last > 0
+    assert all(is_on_meta(b) for b in blocks)  # timed on materialised copies

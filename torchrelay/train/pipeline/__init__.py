@@ -11,13 +11,13 @@ from torchrelay.train.pipeline.meta import (as_blocks, build_on_meta, materializ
                                             transformer_blocks)
 from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Plan,
                                                  PlanInfeasible, StagePlan, equal_split,
-                                                 exhaustive_plan, plan_from_boundaries,
-                                                 plan_stages)
-from torchrelay.train.pipeline.profile import measure_link, profile_blocks
+                                                 exhaustive_plan, near_optimal_cuts,
+                                                 plan_from_boundaries, plan_stages)
+from torchrelay.train.pipeline.profile import measure_link, profile_blocks, time_stage
 
 __all__ = [
     "BlockCost", "DeviceSpec", "Link", "Pipeline", "Plan", "PlanInfeasible", "StagePlan",
     "as_blocks", "build_on_meta", "equal_split", "exhaustive_plan", "materialize_module",
-    "measure_link", "merge_stage_state_dicts", "plan_from_boundaries", "plan_stages",
-    "prepare", "profile_blocks", "transformer_blocks",
+    "measure_link", "merge_stage_state_dicts", "near_optimal_cuts", "plan_from_boundaries",
+    "plan_stages", "prepare", "profile_blocks", "time_stage", "transformer_blocks",
 ]

@@ -21,6 +21,7 @@ Contract:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ from torchrelay.spec import PipelineStrategy
 from torchrelay.train.allocator import keep_freed_memory
 from torchrelay.train.pipeline.meta import as_blocks, is_on_meta, materialize_module
 from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Plan,
-                                                 plan_from_boundaries, plan_stages)
-from torchrelay.train.pipeline.profile import measure_link, profile_blocks
+                                                 near_optimal_cuts, plan_from_boundaries,
+                                                 plan_stages)
+from torchrelay.train.pipeline.profile import measure_link, profile_blocks, time_stage
 from torchrelay.train.pipeline.runtime import LeanPipeline, TorchPipeline
 from torchrelay.train.pipeline.shm import connect_neighbours
 
@@ -111,12 +113,17 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             device: torch.device | str | None = None, plan: Plan | Sequence[int] | None = None,
             optimizer_factory: Callable | None = None, mem_cap_bytes: int | None = None,
             runtime: Literal["auto", "lean", "torch"] = "auto", seed: int = 0,
-            virtual_stages: int = 2, transport: Literal["auto", "shm", "gloo"] = "auto"
-            ) -> Pipeline:
+            virtual_stages: int = 2, transport: Literal["auto", "shm", "gloo"] = "auto",
+            refine: float = 0.06) -> Pipeline:
     """This rank's ``Pipeline`` for ``blocks`` under ``strategy``. Collective; blocks.
 
     ``strategy`` defaults to ``ctx.strategy`` when that is a pipeline strategy (the job
     spec's), else to ``PipelineStrategy()``; a dict is validated as one.
+
+    ``refine`` (automatic plans, one stage per rank): the cuts one block away from the
+    planned one and predicted within this fraction of it (default 6%) are timed as whole
+    stages on their ranks, and the fastest is kept (``near_optimal_cuts``, ``time_stage``;
+    a note in the plan says so); 0 plans from the profile alone.
 
     ``transport`` (lean runtime): "auto"/"shm" pass activations and gradients between two
     neighbour stages through shared memory (runtime.py, shm.py) when both are CPU ranks on
@@ -161,7 +168,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     stage, replica = rank % num_stages, rank // num_stages
 
     the_plan = _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample,
-                          sample_target, loss_fn, device, optimizer_factory, mem_cap_bytes, seed)
+                          sample_target, loss_fn, device, optimizer_factory, mem_cap_bytes, seed,
+                          refine)
 
     # Groups: every rank must create every group, in the same order.
     layout = _stage_ranks(num_stages, replicas)
@@ -241,7 +249,7 @@ def publish_plan(plan: Plan, env=os.environ) -> str | None:
 
 
 def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,
-               loss_fn, device, optimizer_factory, mem_cap_bytes, seed) -> Plan:
+               loss_fn, device, optimizer_factory, mem_cap_bytes, seed, refine) -> Plan:
     schedule = "1f1b" if strategy.schedule == "interleaved_1f1b" else strategy.schedule
     if isinstance(plan, Plan):
         if len(plan.stages) != plan_stage_count or plan.num_blocks != len(blocks):
@@ -266,9 +274,11 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
     # Profile in chained windows of about one stage's worth of parameters: a stage holds
     # that much anyway, and chained blocks time as the stage will run them (profile.py).
     model_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    block_inputs: list[torch.Tensor] = []
     costs = profile_blocks(blocks, sample, device, optimizer_factory=optimizer_factory,
                            loss_fn=loss_fn, sample_target=sample_target, seed=seed,
-                           window_bytes=-(-model_bytes // plan_stage_count))
+                           window_bytes=-(-model_bytes // plan_stage_count),
+                           block_inputs=block_inputs)
     cap = mem_cap_bytes
     if cap is None and device.type == "cuda":
         cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
@@ -284,6 +294,39 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
         times, device_name, device_cap = per_rank[k % num_stages]
         devices.append(DeviceSpec(name=f"rank{k % num_stages}:{device_name}",
                                   mem_cap_bytes=device_cap, block_times_s=tuple(times)))
-    result = [plan_stages(costs, devices, link, strategy.microbatches, schedule)]
+    chosen = plan_stages(costs, devices, link, strategy.microbatches, schedule)
+    if refine > 0 and plan_stage_count == num_stages > 1:
+        chosen = _measure_near_optimal(chosen, blocks, costs, devices, link, strategy,
+                                       schedule, block_inputs, loss_fn, sample_target, device,
+                                       seed, num_stages, refine)
+    result = [chosen]
     dist.broadcast_object_list(result, src=0)
     return result[0]
+
+
+def _measure_near_optimal(plan, blocks, costs, devices, link, strategy, schedule,
+                          block_inputs, loss_fn, sample_target, device, seed,
+                          num_stages, tolerance) -> Plan:
+    """``plan``, or a neighbouring cut predicted within ``tolerance`` of it that runs faster
+    when each rank times its own stage of every such cut as a whole (``time_stage``), all
+    ranks at once as the pipeline will. Collective (every rank computes the same candidates from the
+    same gathered numbers); the returned plan carries a note with the measured times."""
+    candidates = near_optimal_cuts(costs, devices, plan, link, strategy.microbatches, schedule,
+                                   tolerance=tolerance)
+    if len(candidates) < 2:
+        return plan
+    stage = dist.get_rank() % num_stages
+    mine = [time_stage(blocks, bounds[stage], bounds[stage + 1], block_inputs[bounds[stage]],
+                       device, loss_fn=loss_fn, sample_target=sample_target, seed=seed)
+            for bounds in candidates]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    slowest = [max(everyone[k][i] for k in range(num_stages)) for i in range(len(candidates))]
+    best = min(range(len(candidates)), key=slowest.__getitem__)
+    chosen = plan if best == 0 else plan_from_boundaries(
+        costs, devices, candidates[best], link, strategy.microbatches, schedule)
+    timed = ", ".join(f"{bounds[1:-1]} {t * 1e3:.2f} ms" for bounds, t in zip(candidates, slowest))
+    note = (f"measured the cuts predicted within {tolerance:.0%} as whole stages (slowest "
+            f"stage per micro-batch): {timed}; chose {candidates[best][1:-1]}")
+    return dataclasses.replace(chosen, notes=(*plan.notes, note),
+                               equal_split_bottleneck_s=plan.equal_split_bottleneck_s)

@@ -191,12 +191,16 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                    optimizer_factory: Callable | None = None,
                    loss_fn: Callable | None = None, sample_target: torch.Tensor | None = None,
                    warmup: int = 2, repeats: int = 21, seed: int = 0,
-                   window_bytes: int | None = None, in_flight: int = 1) -> list[BlockCost]:
+                   window_bytes: int | None = None, in_flight: int = 1,
+                   block_inputs: list | None = None) -> list[BlockCost]:
     """One ``BlockCost`` per block, measured on ``device`` with one micro-batch ``sample``,
     chained in windows of at most ``window_bytes`` parameter bytes, with ``in_flight`` more
     micro-batches' forwards before each backward except in the window ending the model
     (module docstring). 1 is what stage 0 of a 2-stage 1F1B sees; more only holds more
     activations, the caches are flushed by one.
+
+    ``block_inputs``, when a list, receives the input each block was timed on (detached;
+    ``sample`` first), for ``time_stage`` to start a stage where the model reaches it.
 
     Blocks. Raises ``ValueError`` naming the block whose output is not a single tensor, or
     a negative ``in_flight``.
@@ -218,6 +222,8 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                           [*original.parameters(), *original.buffers()])
             block = materialize_module(copy.deepcopy(original), device, seed=seed + index) \
                 if on_meta else original
+            if block_inputs is not None:
+                block_inputs.append(x.detach())
             out, stash = _stash_bytes(block, x)
             if not isinstance(out, torch.Tensor):
                 raise ValueError(f"pipeline block {index} ({type(original).__name__}) returned "
@@ -247,6 +253,35 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
                                    name=f"{index}:{type(blocks[index]).__name__}"))
         del window
     return costs
+
+
+def time_stage(blocks: Sequence[nn.Module], first: int, stop: int, x: torch.Tensor,
+               device: torch.device | str = "cpu", *, loss_fn: Callable | None = None,
+               sample_target: torch.Tensor | None = None, seed: int = 0, in_flight: int = 1,
+               warmup: int = 1, repeats: int = 9) -> float:
+    """Forward+backward seconds per micro-batch of ``blocks[first:stop]`` run as one stage:
+    chained, ``in_flight`` more forwards before each backward, as ``profile_blocks`` times a
+    window, unless the stage ends the model (``stop == len(blocks)`` with ``loss_fn`` and
+    ``sample_target``), which runs the loss and backward at once. ``x`` is the input of block
+    ``first`` (``profile_blocks(block_inputs=...)``). Blocks on the meta device are
+    materialised (``seed + index``) for the timing only. Trimmed mean over ``repeats``."""
+    device = torch.device(device)
+    window = []
+    for index in range(first, stop):
+        original = blocks[index]
+        on_meta = any(t.device.type == "meta" for t in
+                      [*original.parameters(), *original.buffers()])
+        window.append(materialize_module(copy.deepcopy(original), device, seed=seed + index)
+                      if on_meta else original)
+    ends_model = stop == len(blocks) and loss_fn is not None and sample_target is not None
+    target = sample_target.to(device) if ends_model else None
+    loss = (lambda out: loss_fn(out, target)) if ends_model else None
+    samples = _time_window(window, x.to(device), loss, device, compute_clock(device),
+                           warmup + repeats, 0 if ends_model else in_flight)
+    for block in window:
+        block.zero_grad(set_to_none=True)
+    per_run = [sum(run) for run in zip(*samples)][warmup:]
+    return trimmed_mean(per_run)
 
 
 def measure_link(rank_a: int, rank_b: int, num_bytes: int = 4 << 20, repeats: int = 10,
