@@ -60,7 +60,7 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     assert len(auto[0]["plan"]["stages"]) == 2
     # a close call between two cuts was measured, and the plan says which it kept
     refined = cases["mlp5-lean-1f1b-auto"][0]["plan"]
-    assert any("measured the cuts" in note and "[2]" in note and "[3]" in note
+    assert any("measured as whole stages" in note and "[2]" in note and "[3]" in note
                for note in refined["notes"]), refined["notes"]
     assert refined["stages"][1]["blocks"][0] in (2, 3)
     errors = results[0]["errors"]

@@ -120,10 +120,11 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     ``strategy`` defaults to ``ctx.strategy`` when that is a pipeline strategy (the job
     spec's), else to ``PipelineStrategy()``; a dict is validated as one.
 
-    ``refine`` (automatic plans, one stage per rank): the cuts one block away from the
-    planned one and predicted within this fraction of it (default 6%) are timed as whole
-    stages on their ranks, and the fastest is kept (``near_optimal_cuts``, ``time_stage``;
-    a note in the plan says so); 0 plans from the profile alone.
+    ``refine`` (automatic plans, one stage per rank): the planned cut and those one block
+    away predicted within this fraction of it (default 6%) are timed as whole stages on
+    their ranks, and the fastest is kept with its measured stage times
+    (``near_optimal_cuts``, ``time_stage``; a note in the plan says so); 0 plans from the
+    profile alone.
 
     ``transport`` (lean runtime): "auto"/"shm" pass activations and gradients between two
     neighbour stages through shared memory (runtime.py, shm.py) when both are CPU ranks on
@@ -309,12 +310,12 @@ def _measure_near_optimal(plan, blocks, costs, devices, link, strategy, schedule
                           num_stages, tolerance) -> Plan:
     """``plan``, or a neighbouring cut predicted within ``tolerance`` of it that runs faster
     when each rank times its own stage of every such cut as a whole (``time_stage``), all
-    ranks at once as the pipeline will. Collective (every rank computes the same candidates from the
-    same gathered numbers); the returned plan carries a note with the measured times."""
+    ranks at once as the pipeline will. The returned plan's stage compute times are those
+    measured stage times (closer to the run than block sums), and a note lists every
+    candidate's. Collective: every rank derives the same candidates from the same gathered
+    numbers."""
     candidates = near_optimal_cuts(costs, devices, plan, link, strategy.microbatches, schedule,
                                    tolerance=tolerance)
-    if len(candidates) < 2:
-        return plan
     stage = dist.get_rank() % num_stages
     mine = [time_stage(blocks, bounds[stage], bounds[stage + 1], block_inputs[bounds[stage]],
                        device, loss_fn=loss_fn, sample_target=sample_target, seed=seed)
@@ -325,8 +326,10 @@ def _measure_near_optimal(plan, blocks, costs, devices, link, strategy, schedule
     best = min(range(len(candidates)), key=slowest.__getitem__)
     chosen = plan if best == 0 else plan_from_boundaries(
         costs, devices, candidates[best], link, strategy.microbatches, schedule)
+    measured = tuple(dataclasses.replace(st, compute_s=everyone[k][best])
+                     for k, st in enumerate(chosen.stages))
     timed = ", ".join(f"{bounds[1:-1]} {t * 1e3:.2f} ms" for bounds, t in zip(candidates, slowest))
-    note = (f"measured the cuts predicted within {tolerance:.0%} as whole stages (slowest "
-            f"stage per micro-batch): {timed}; chose {candidates[best][1:-1]}")
-    return dataclasses.replace(chosen, notes=(*plan.notes, note),
+    note = (f"stage times measured as whole stages; cuts predicted within {tolerance:.0%} "
+            f"(slowest stage per micro-batch): {timed}; chose {candidates[best][1:-1]}")
+    return dataclasses.replace(chosen, stages=measured, notes=(*plan.notes, note),
                                equal_split_bottleneck_s=plan.equal_split_bottleneck_s)
