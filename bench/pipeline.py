@@ -30,8 +30,9 @@
     the time the stage really computed per micro-batch in the pipeline (largest |ratio - 1|).
 (d) plan_s_100x8: planning time for 100 blocks on 8 stages.
 
-All configurations run in one pair of processes, interleaved round by round, so machine
-noise hits them alike; each turn's first step is not recorded (it runs on caches the other
+All configurations run in one pair of processes, interleaved round by round (in an order
+shuffled every round), so machine noise hits them alike; each turn's first step is not
+recorded (it runs on caches the other
 configurations filled). A step is timed from the first rank's start to the last rank's end
 on the host's monotonic clock, with no barrier inside the span. Since the machine is shared, each figure also comes from CPU time:
 ``*_replay`` replays both ranks' per-action CPU traces of each step (our runtime's
@@ -44,8 +45,10 @@ Last line: ``RESULT {json}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -244,21 +247,37 @@ def _worker(rank: int, port: int, out_dir: str, rounds: int, steps: int, parts: 
 
     samples: dict[str, list[float]] = {"baseline": []}
     busy_auto: list[float] = []
-    for _ in range(rounds):
-        samples["baseline"] += run_baseline(steps)
-        if "a" in parts:
-            isolated_half(steps)
-        for name, pipe in mlp_pipes.items():
-            samples.setdefault(name, []).extend(run(pipe, mlp_x, mlp_y, steps, name)[0])
-        if "b" not in parts:
-            continue
-        lm_steps = max(1, steps // 2)  # 12 configurations of a slower model
+    # One turn per configuration and round, in an order shuffled every round (the same on
+    # both ranks): a configuration that always followed the same other one would carry that
+    # one's effect on the caches (the automatic plan, always first after the MLP, ran 2–3%
+    # slower than the same cut measured amid the other cuts).
+    lm_steps = max(1, steps // 2)  # 12 configurations of a slower model
+
+    def baseline_turn():
+        samples["baseline"].extend(run_baseline(steps))
+
+    def mlp_turn(name, pipe):
+        samples.setdefault(name, []).extend(run(pipe, mlp_x, mlp_y, steps, name)[0])
+
+    def auto_turn():
         t, b = run(auto, lm_x, lm_y, lm_steps, "lm auto")
         samples.setdefault("lm auto", []).extend(t)
-        busy_auto += b
-        for c, pipe in cuts.items():
-            samples.setdefault(f"lm cut {c}", []).extend(
-                run(pipe, lm_x, lm_y, lm_steps, f"lm cut {c}")[0])
+        busy_auto.extend(b)
+
+    def cut_turn(c, pipe):
+        samples.setdefault(f"lm cut {c}", []).extend(
+            run(pipe, lm_x, lm_y, lm_steps, f"lm cut {c}")[0])
+
+    turns = [baseline_turn]
+    if "a" in parts:
+        turns.append(lambda: isolated_half(steps))
+        turns += [functools.partial(mlp_turn, name, pipe) for name, pipe in mlp_pipes.items()]
+    if "b" in parts:
+        turns.append(auto_turn)
+        turns += [functools.partial(cut_turn, c, pipe) for c, pipe in cuts.items()]
+    for round_index in range(rounds):
+        for turn in random.Random(round_index).sample(turns, len(turns)):
+            turn()
 
     medians = {k: statistics.median(v) for k, v in samples.items()}
     busy_all = [None, None]
