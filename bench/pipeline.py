@@ -323,7 +323,7 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=None)
     parser.add_argument("--port", type=int)
     parser.add_argument("--out")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
     parser.add_argument("--parts", default="ab", help="which of (a) and (b) to run: a, b, ab")
