@@ -4,7 +4,7 @@ Not a test module. A test file that is also its own worker script
 (``python <file> <scenario> <rank> <world> <port> <out_dir>``, each rank writing
 ``<out_dir>/<scenario>-<rank>.json``) calls ``run_ranks(__file__, ...)`` from inside a test,
 importing this module there, because ``tests/`` is not on ``sys.path`` when the file runs as
-a worker.
+a worker. A worker imports ``unsplit_reference`` after putting ``tests/`` on its path.
 """
 from __future__ import annotations
 
@@ -51,3 +51,25 @@ def run_ranks(script: str, tmp_path: Path, world: int, scenario: str,
                 proc.wait()
     return [json.loads((tmp_path / f"{scenario}-{rank}.json").read_text())
             for rank in range(world)]
+
+
+def unsplit_reference(meta_blocks, seed: int, inputs, targets, loss_fn, microbatches: int):
+    """The unsplit model on the CPU (block ``i`` initialised under ``seed + i``, as a pipeline
+    stage materialises it), stepped on the same micro-batches with gradient accumulation and
+    each loss weighted by its share of the batch. Returns (blocks, summed loss)."""
+    import copy
+
+    import torch
+
+    from torchrelay.train.pipeline import materialize_module
+
+    full = [materialize_module(copy.deepcopy(b), "cpu", seed + i)
+            for i, b in enumerate(meta_blocks)]
+    model = torch.nn.Sequential(*full)
+    total = 0.0
+    for x, y in zip(torch.tensor_split(inputs, microbatches),
+                    torch.tensor_split(targets, microbatches)):
+        loss = loss_fn(model(x), y) * (x.shape[0] / inputs.shape[0])
+        loss.backward()
+        total += loss.item()
+    return full, total

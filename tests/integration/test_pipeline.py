@@ -110,27 +110,17 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
     import torch
     import torch.distributed as dist
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for rank_scripts
+    from rank_scripts import unsplit_reference
+
     from torchrelay.spec import PipelineStrategy
-    from torchrelay.train.pipeline import (build_on_meta, materialize_module,
-                                           merge_stage_state_dicts, prepare)
+    from torchrelay.train.pipeline import build_on_meta, merge_stage_state_dicts, prepare
     from torchrelay.train.pipeline.meta import is_on_meta
     from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss, mse_loss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-
-    def reference(meta_blocks, seed, inputs, targets, loss_fn, microbatches):
-        full = [materialize_module(copy.deepcopy(b), "cpu", seed + i)
-                for i, b in enumerate(meta_blocks)]
-        model = torch.nn.Sequential(*full)
-        total = 0.0
-        for x, y in zip(torch.tensor_split(inputs, microbatches),
-                        torch.tensor_split(targets, microbatches)):
-            loss = loss_fn(model(x), y) * (x.shape[0] / inputs.shape[0])
-            loss.backward()
-            total += loss.item()
-        return full, total
 
     def run_case(name, make_blocks, data, loss_fn, schedule, runtime, plan, seed=3,
                  microbatches=4, transport="auto", refine=0.06):
@@ -143,7 +133,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
                        plan=plan, runtime=runtime, seed=seed, transport=transport, refine=refine)
         others_on_meta = all(is_on_meta(b) for i, b in enumerate(given) if i not in pipe.blocks)
         own_materialised = not any(is_on_meta(b) for b in pipe.blocks.values())
-        full, ref_loss = reference(meta, seed, inputs, targets, loss_fn, microbatches)
+        full, ref_loss = unsplit_reference(meta, seed, inputs, targets, loss_fn, microbatches)
         err = 0.0
         num_params = 0
         # Step three times: the first step of a shape learns it (over gloo), the next ones run
@@ -242,7 +232,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         half = inputs.shape[0] // 2
         mine = slice(rank * half, (rank + 1) * half)
         loss = pipe.step(inputs[mine], targets[mine])
-        full, ref_loss = reference(meta, 5, inputs, targets, mse_loss, 4)
+        full, ref_loss = unsplit_reference(meta, 5, inputs, targets, mse_loss, 4)
         err = max((p.grad - q.grad).abs().max().item()
                   for i, block in pipe.blocks.items()
                   for p, q in zip(block.parameters(), full[i].parameters()))
@@ -267,7 +257,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         half = inputs.shape[0] // 2
         mine = slice(pipe.replica * half, (pipe.replica + 1) * half)
         loss = pipe.step(inputs[mine], targets[mine])
-        full, ref_loss = reference(meta, 5, inputs, targets, mse_loss, 4)
+        full, ref_loss = unsplit_reference(meta, 5, inputs, targets, mse_loss, 4)
         result = {"replica": pipe.replica, "stage": pipe.stage, "reference_loss": ref_loss,
                   "loss": None if loss is None else loss.item(),
                   "grad_max_err": max((p.grad - q.grad).abs().max().item()

@@ -89,8 +89,11 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
 
     import torch.distributed as dist
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for rank_scripts
+    from rank_scripts import unsplit_reference
+
     from torchrelay.spec import PipelineStrategy
-    from torchrelay.train.pipeline import build_on_meta, materialize_module, prepare
+    from torchrelay.train.pipeline import build_on_meta, prepare
     from torchrelay.train.pipeline.models import balanced_mlp, char_transformer, lm_loss, mse_loss
 
     torch.set_num_threads(1)
@@ -106,18 +109,6 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
 
-    def reference(meta_blocks, seed, inputs, targets, loss_fn, microbatches):
-        full = [materialize_module(copy.deepcopy(b), "cpu", seed + i)
-                for i, b in enumerate(meta_blocks)]
-        model = torch.nn.Sequential(*full)
-        total = 0.0
-        for x, y in zip(torch.tensor_split(inputs, microbatches),
-                        torch.tensor_split(targets, microbatches)):
-            loss = loss_fn(model(x), y) * (x.shape[0] / inputs.shape[0])
-            loss.backward()
-            total += loss.item()
-        return full, total
-
     def run_case(name, make_blocks, data, loss_fn, schedule, runtime, plan, seed=3,
                  microbatches=4):
         inputs, targets, sample, sample_target = data
@@ -127,7 +118,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> No
         pipe = prepare(copy.deepcopy(meta), loss_fn, strategy, sample=sample.to(device),
                        sample_target=sample_target.to(device), plan=plan, runtime=runtime,
                        seed=seed, device=device)
-        full, ref_loss = reference(meta, seed, inputs, targets, loss_fn, microbatches)
+        full, ref_loss = unsplit_reference(meta, seed, inputs, targets, loss_fn, microbatches)
         for _ in range(3):  # the first step learns the shapes, the next ones reuse buffers
             pipe.module.zero_grad(set_to_none=True)
             loss = pipe.step(inputs.to(device) if pipe.is_first else None,

@@ -42,10 +42,10 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        gnu_get_libc_version = libc.gnu_get_libc_version  # absent outside glibc
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu_get_libc_version
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its mallopt numbers differ
+        return False
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

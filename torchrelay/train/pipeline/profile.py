@@ -126,6 +126,13 @@ def _stash_bytes(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return out, total
 
 
+def _timeable(block: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """``block`` itself, or a materialised copy (initialised under ``seed``) when it is on
+    the meta device, so timing never allocates the caller's model."""
+    on_meta = any(t.device.type == "meta" for t in [*block.parameters(), *block.buffers()])
+    return materialize_module(copy.deepcopy(block), device, seed=seed) if on_meta else block
+
+
 def _forward_chain(window: list[nn.Module], x: torch.Tensor, device: torch.device,
                    clock: Callable[[], float]) -> tuple[list, list, list[float]]:
     """``window`` forward in order, each block on its predecessor's output detached (so its
@@ -218,10 +225,7 @@ def profile_blocks(blocks: Sequence[nn.Module], sample: torch.Tensor,
         chain_in = x
         for index in span:
             original = blocks[index]
-            on_meta = any(t.device.type == "meta" for t in
-                          [*original.parameters(), *original.buffers()])
-            block = materialize_module(copy.deepcopy(original), device, seed=seed + index) \
-                if on_meta else original
+            block = _timeable(original, device, seed + index)
             if block_inputs is not None:
                 block_inputs.append(x.detach())
             out, stash = _stash_bytes(block, x)
@@ -266,13 +270,7 @@ def time_stage(blocks: Sequence[nn.Module], first: int, stop: int, x: torch.Tens
     ``first`` (``profile_blocks(block_inputs=...)``). Blocks on the meta device are
     materialised (``seed + index``) for the timing only. Trimmed mean over ``repeats``."""
     device = torch.device(device)
-    window = []
-    for index in range(first, stop):
-        original = blocks[index]
-        on_meta = any(t.device.type == "meta" for t in
-                      [*original.parameters(), *original.buffers()])
-        window.append(materialize_module(copy.deepcopy(original), device, seed=seed + index)
-                      if on_meta else original)
+    window = [_timeable(blocks[index], device, seed + index) for index in range(first, stop)]
     ends_model = stop == len(blocks) and loss_fn is not None and sample_target is not None
     target = sample_target.to(device) if ends_model else None
     loss = (lambda out: loss_fn(out, target)) if ends_model else None
