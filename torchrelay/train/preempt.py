@@ -30,7 +30,11 @@ import os
 import signal
 import threading
 
-_requested = threading.Event()
+# Set by the SIGTERM handler. A plain flag, not a threading.Event: the platform's SIGTERM
+# reaches a worker twice (from the agent and forwarded by torchrun), and a second handler
+# run nested inside the first one's Event.set() waits forever on the Event's own lock (seen:
+# a rank stuck there until SIGKILL, its checkpoint never committed).
+_requested = False
 _cooperative = False
 _installed = False
 _agreed_stop = False  # every rank has agreed that a stop was requested
@@ -46,7 +50,8 @@ def install() -> None:
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
-    _requested.set()
+    global _requested
+    _requested = True  # async-signal-safe: no lock (see above)
     if not _cooperative:
         # nobody will look at the flag: behave like the default disposition
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -63,12 +68,12 @@ def should_stop() -> bool:
     """True once the platform asked this job's workers to stop (SIGTERM to any rank).
     Collective when distributed (see the module docstring); otherwise does not block."""
     mark_cooperative()
-    return _agree(_requested.is_set(), from_checkpoint_due=False)
+    return _agree(_requested, from_checkpoint_due=False)
 
 
 def stop_requested() -> bool:
     """What ``checkpoint_due`` asks: like ``should_stop`` but does not mark the caller as polling."""
-    return _agree(_requested.is_set(), from_checkpoint_due=True)
+    return _agree(_requested, from_checkpoint_due=True)
 
 
 # Agreement state; every rank makes the same calls, so these evolve identically on every rank.
@@ -137,9 +142,9 @@ def _agreeing_world_size() -> int:
 
 def _reset_for_tests() -> None:
     global _cooperative, _installed, _agreed_stop, _calls, _next_reduce, _checkpoint_due_seen
-    global _last_call_at, _call_interval_s
+    global _last_call_at, _call_interval_s, _requested
     _calls, _next_reduce, _checkpoint_due_seen, _last_call_at, _call_interval_s = 0, 1, False, None, None
-    _requested.clear()
+    _requested = False
     _cooperative = False
     _agreed_stop = False
     if _installed and threading.current_thread() is threading.main_thread():
