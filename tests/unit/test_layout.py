@@ -39,7 +39,7 @@ def test_the_server_and_a_worker_see_the_same_layout():
 
 def test_a_world_with_no_room_for_workers_is_refused():
     with pytest.raises(ValueError, match="world_size=2 leaves no workers next to servers=2"):
-        RankLayout.of_world(2, ParameterServerStrategy(servers=2))
+        RankLayout.of_world(2, ParameterServerStrategy(kind="parameter_server", servers=2))
 
 
 def test_other_strategies_have_no_servers():
