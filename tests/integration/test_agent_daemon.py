@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from torchrelay.agent.daemon import Agent
-from torchrelay.agent.launcher import find_launch_processes
+from torchrelay.agent.processes import find_launch_processes
 from torchrelay.client.sdk import RelayClient
 from torchrelay.server.app import create_app
 from torchrelay.server.service import ClusterService
@@ -209,27 +209,42 @@ def test_a_world_of_one_runs_without_torchrun(cluster, tmp_path):
     assert zygote._proc.poll() is not None  # closing the agent ends its zygote
 
 
-class RefuseStatusPosts:
-    """ASGI app in front of the server that answers 503 to every ``POST /launches/{id}/status``
-    (counting them) and passes everything else on."""
+class RefuseStatusesAside:
+    """ASGI app in front of the server that answers 503 to the first ``refuse`` heartbeats that
+    carry statuses without long-polling (the ones the agent sends aside while a long poll is in
+    flight), counting them, and passes everything else on."""
 
-    def __init__(self, app):
+    def __init__(self, app, refuse: int = 1):
         self.app = app
+        self.refuse = refuse
         self.refused = 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/status"):
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/heartbeat")):
+            await self.app(scope, receive, send)
+            return
+        messages, more = [], True
+        while more:
+            message = await receive()
+            messages.append(message)
+            more = message.get("more_body", False)
+        beat = json.loads(b"".join(m.get("body", b"") for m in messages) or b"{}")
+        if self.refused < self.refuse and beat.get("statuses") and not beat.get("wait_s"):
             self.refused += 1
             await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"refused by the test"})
             return
-        await self.app(scope, receive, send)
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
-def test_a_status_whose_post_failed_arrives_in_the_next_heartbeat(tmp_path):
-    """Statuses ride in heartbeats; the one posted while a long poll was in flight (the exit)
-    is refused here, and still reaches the server with the next heartbeat."""
-    server = ServerThread(tmp_path, wrap=RefuseStatusPosts)
+def test_a_status_whose_delivery_failed_arrives_with_a_later_heartbeat(tmp_path):
+    """Statuses ride in heartbeats; the one sent aside while a long poll was in flight (the exit)
+    is refused here, and still reaches the server with a later heartbeat."""
+    server = ServerThread(tmp_path, wrap=RefuseStatusesAside)
     agent = AgentThread(server.address, tmp_path / "agent")
     try:
         with RelayClient(server.address) as client:
@@ -241,7 +256,7 @@ def test_a_status_whose_post_failed_arrives_in_the_next_heartbeat(tmp_path):
             assert final.state == JobState.SUCCEEDED, final
             assert [e.state for e in final.events] == [JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING,
                                                        JobState.SUCCEEDED]
-        assert server.app.refused >= 1  # the exit was posted (and refused) first
+        assert server.app.refused >= 1  # the exit was sent aside (and refused) first
     finally:
         agent.stop()
         server.stop()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchrelay import wire
+from torchrelay.agent.backends import BackendKind
 from torchrelay.agent.launcher import Launch, pick_free_port
 from torchrelay.agent.zygote import Zygote
 
@@ -43,7 +44,7 @@ def make_launch(tmp_path: Path, script: str, *entrypoint: str, zygote: Zygote | 
         store_url=str(tmp_path / "store"), job_store_prefix="jobs/job-1")
     launch = Launch(assignment, code_dir=code, run_dir=tmp_path / "run", relay_address="http://127.0.0.1:9",
                     zygote=zygote)
-    assert launch.direct
+    assert launch.kind is (BackendKind.ZYGOTE if zygote is not None else BackendKind.DIRECT)
     return launch
 
 
@@ -52,7 +53,7 @@ def start(launches, launch: Launch, port: int | None = None) -> None:
     launches.append(launch)
     launch.start("127.0.0.1", port or pick_free_port())
     python_entrypoint = launch.assignment.entrypoint[0] == "python"
-    assert launch.forked is (launch.zygote is not None and python_entrypoint)
+    assert launch.forked is (launch.kind is BackendKind.ZYGOTE and python_entrypoint)
 
 
 ENV_AND_METRICS = """
@@ -88,7 +89,7 @@ def test_success_with_torchrun_environment_logs_and_metrics(tmp_path, launches, 
     assert (rank.rank, rank.returned, rank.exit_code, rank.signal) == (0, True, 0, None)
     marker = json.loads((tmp_path / "run" / "status" / "rank-0.json").read_text())
     assert marker["final"] is True and marker["returned"] is True
-    assert launch.torchrun_pid is None and not (tmp_path / "run" / "torchrun.log").exists()
+    assert not (tmp_path / "run" / "torchrun.log").exists()
     assert "job.py" in (tmp_path / "run" / "launch.log").read_text()
 
 

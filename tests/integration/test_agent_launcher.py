@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from torchrelay import wire
-from torchrelay.agent.launcher import Launch, find_launch_processes, pick_free_port
+from torchrelay.agent.backends import BackendKind
+from torchrelay.agent.launcher import Launch, pick_free_port
+from torchrelay.agent.processes import find_launch_processes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -116,7 +118,8 @@ def test_stop_mid_run_leaves_no_process(tmp_path, launches):
         time.sleep(0.1)
     pids = find_launch_processes(launch.launch_id, launch.run_dir)
     groups = {os.getpgid(pid) for pid in pids}
-    assert launch.torchrun_pid in pids and len(groups) >= 3  # torchrun's session + one per worker
+    assert launch.kind is BackendKind.TORCHRUN
+    assert launch.pid in pids and len(groups) >= 3  # torchrun's session + one per worker
 
     status = launch.stop(grace_s=5)
     assert status.stopped is True and status.succeeded is False

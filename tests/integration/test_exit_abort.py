@@ -1,4 +1,4 @@
-"""The exit-time abort (DESIGN.md section 6), both halves, with real torchrun and gloo.
+"""The exit-time abort (docs/design.md, "Exit-time abort with DDP on gloo"), both halves, with real torchrun and gloo.
 
 The real abort (gloo, SIGABRT during interpreter teardown after the script returned) happens
 in some runs only; a test must not pass or fail by luck, so the script here trains a real

@@ -8,9 +8,13 @@ import pytest
 
 from torchrelay import wire
 from torchrelay.agent import worker
-from torchrelay.agent.daemon import Agent, parse_nvidia_smi_list
-from torchrelay.agent.launcher import (LineTailer, build_torchrun_command, build_worker_env, classify_exit,
-                                       describe_rank, parse_metric_line, worker_argv)
+from torchrelay.agent.commands import build_torchrun_command, build_worker_env
+from torchrelay.agent.daemon import Agent
+from torchrelay.agent.exits import classify_exit, describe_rank, exit_message
+from torchrelay.agent.output import LineTailer, parse_metric_line
+from torchrelay.agent.resources import parse_nvidia_smi_list
+from torchrelay.agent.target import (TargetKind, UsageError, WorkerTarget, target_of_entrypoint,
+                                     target_of_worker_argv)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -43,19 +47,41 @@ def assignment(**overrides) -> wire.LaunchAssignment:
     (["pythonista", "x.py"], ["--exec", "pythonista", "x.py"]),
 ])
 def test_worker_argv(entrypoint, expected):
-    assert worker_argv(entrypoint) == expected
+    assert target_of_entrypoint(entrypoint).worker_argv() == expected
+
+
+@pytest.mark.parametrize("entrypoint, expected", [
+    (["python", "train.py", "-x"], WorkerTarget(kind=TargetKind.SCRIPT, target="train.py", args=("-x",))),
+    (["python3", "-u", "-m", "pkg"], WorkerTarget(kind=TargetKind.MODULE, target="pkg")),
+    (["python", "-c", "print(1)", "a"],
+     WorkerTarget(kind=TargetKind.CODE, target="print(1)", args=("a",), interpreter="/venv/bin/python")),
+    (["python", "-u", "-c", "pass"],  # flags before -c: a program, started as it is
+     WorkerTarget(kind=TargetKind.PROGRAM, target="/venv/bin/python", args=("-u", "-c", "pass"))),
+    (["bash", "x.sh"], WorkerTarget(kind=TargetKind.PROGRAM, target="bash", args=("x.sh",))),
+])
+def test_target_of_entrypoint(entrypoint, expected):
+    assert target_of_entrypoint(entrypoint, "/venv/bin/python") == expected
 
 
 def test_worker_argv_runs_unhosted_python_with_the_given_interpreter():
-    assert worker_argv(["python3", "-c", "print(1)"], "/venv/bin/python") == \
+    assert target_of_entrypoint(["python3", "-c", "print(1)"], "/venv/bin/python").worker_argv() == \
         ["--exec", "/venv/bin/python", "-c", "print(1)"]
-    assert worker_argv(["bash", "x.sh"], "/venv/bin/python") == ["--exec", "bash", "x.sh"]
+    assert target_of_entrypoint(["bash", "x.sh"], "/venv/bin/python").worker_argv() == ["--exec", "bash", "x.sh"]
 
 
 @pytest.mark.parametrize("entrypoint", [[], [""]])
 def test_worker_argv_refuses_empty(entrypoint):
     with pytest.raises(ValueError, match="entrypoint .* is empty"):
-        worker_argv(entrypoint)
+        target_of_entrypoint(entrypoint)
+
+
+@pytest.mark.parametrize("target", [
+    WorkerTarget(kind=TargetKind.SCRIPT, target="t.py", args=("a",)),
+    WorkerTarget(kind=TargetKind.MODULE, target="pkg.mod"),
+    WorkerTarget(kind=TargetKind.PROGRAM, target="bash", args=("-c", "x")),
+])
+def test_the_worker_reads_back_the_target_it_was_given(target):
+    assert target_of_worker_argv(target.worker_argv()) == target
 
 
 def test_torchrun_command_static_rendezvous_through_the_hook():
@@ -123,14 +149,14 @@ def test_cuda_visible_devices_is_what_the_agent_granted(tmp_path, base, job_env,
 # ---------------------------------------------------------------- the worker's pure parts
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["train.py", "a"], ("script", "train.py", ["a"])),
-    (["-m", "pkg.mod", "a"], ("module", "pkg.mod", ["a"])),
-    (["-mpkg.mod"], ("module", "pkg.mod", [])),
-    (["--exec", "bash", "-c", "x"], ("exec", "bash", ["-c", "x"])),
+@pytest.mark.parametrize("argv, kind, target, args", [
+    (["train.py", "a"], TargetKind.SCRIPT, "train.py", ("a",)),
+    (["-m", "pkg.mod", "a"], TargetKind.MODULE, "pkg.mod", ("a",)),
+    (["-mpkg.mod"], TargetKind.MODULE, "pkg.mod", ()),
+    (["--exec", "bash", "-c", "x"], TargetKind.PROGRAM, "bash", ("-c", "x")),
 ])
-def test_parse_target(argv, expected):
-    assert worker.parse_target(argv) == expected
+def test_parse_target(argv, kind, target, args):
+    assert target_of_worker_argv(argv) == WorkerTarget(kind=kind, target=target, args=args)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -138,8 +164,8 @@ def test_parse_target(argv, expected):
     (["--bogus", "x.py"], "unknown option '--bogus'"),
 ])
 def test_parse_target_refuses(argv, message):
-    with pytest.raises(worker.UsageError, match=message):
-        worker.parse_target(argv)
+    with pytest.raises(UsageError, match=message):
+        target_of_worker_argv(argv)
 
 
 @pytest.mark.parametrize("code, expected", [
@@ -228,6 +254,25 @@ def test_describe_rank(exit_, text):
     assert describe_rank(exit_).startswith(text)
 
 
+OK0, FAIL1 = wire.RankExit(rank=0, returned=True, exit_code=0), wire.RankExit(rank=1, exit_code=3)
+NO_RECORD = [wire.RankExit(rank=0), wire.RankExit(rank=1)]
+
+
+@pytest.mark.parametrize("exits, succeeded, started, stopped, expected", [
+    ([OK0], True, True, False, "all 1 ranks returned"),
+    ([], False, False, True, "stopped before torchrun started"),
+    ([FAIL1, OK0], False, True, False, "rank 1: exit code 3"),
+    ([FAIL1, OK0], False, True, True, "stopped: rank 1: exit code 3"),
+    (NO_RECORD, False, True, False,  # torchrun itself died: its own last lines are quoted
+     "rank 0: no exit record (never started or killed with its supervisor); rank 1: no exit record "
+     "(never started or killed with its supervisor); torchrun exited with 1: bad | worse"),
+])
+def test_exit_message(exits, succeeded, started, stopped, expected):
+    assert exit_message(exits, succeeded=succeeded, started=started, stopped=stopped,
+                        unstarted="stopped before torchrun started", first_process="torchrun", returncode=1,
+                        launcher_tail=["bad", "worse"]) == expected
+
+
 # ---------------------------------------------------------------- tailing
 
 
@@ -245,7 +290,7 @@ def test_line_tailer_sends_complete_lines_and_the_rest_at_the_end(tmp_path):
 
 
 def test_line_tailer_cuts_endless_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr("torchrelay.agent.launcher.MAX_LINE_BYTES", 4)
+    monkeypatch.setattr("torchrelay.agent.output.MAX_LINE_BYTES", 4)
     path = tmp_path / "f.log"
     path.write_bytes(b"abcdefghij")
     tailer = LineTailer(path)

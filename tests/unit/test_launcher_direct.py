@@ -1,13 +1,14 @@
-"""Pure parts of the direct launch (a world of one, no torchrun), of the zygote's choice and of
-status coalescing."""
+"""Pure parts of the direct launch (a world of one, no torchrun) and of the zygote's choice."""
 from __future__ import annotations
 
 import pytest
 
 from torchrelay import wire
-from torchrelay.agent.daemon import coalesce_statuses, settled_statuses
-from torchrelay.agent.launcher import WORKER_MODULE, build_direct_command, build_rank_env, is_direct
-from torchrelay.agent.zygote import eligible, startup_environment
+from torchrelay.agent.backends import BackendKind
+from torchrelay.agent.commands import build_rank_env, direct_command, is_direct
+from torchrelay.agent.launcher import default_backend_kind
+from torchrelay.agent.target import WORKER_MODULE, TargetKind, WorkerTarget, target_of_entrypoint
+from torchrelay.agent.zygote import Zygote, eligible, startup_environment
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,6 +28,16 @@ def assignment(**overrides) -> wire.LaunchAssignment:
 ])
 def test_is_direct_only_for_a_world_of_one(nnodes, nproc, world, direct):
     assert is_direct(assignment(nnodes=nnodes, nproc_per_node=nproc, world_size=world)) is direct
+
+
+@pytest.mark.parametrize("nproc, world, with_zygote, kind", [
+    (2, 2, True, BackendKind.TORCHRUN),
+    (1, 1, True, BackendKind.ZYGOTE),
+    (1, 1, False, BackendKind.DIRECT),
+])
+def test_default_backend(nproc, world, with_zygote, kind):
+    zygote = Zygote(python="/py") if with_zygote else None  # never started: nothing spawned
+    assert default_backend_kind(assignment(nproc_per_node=nproc, world_size=world), zygote) is kind
 
 
 def test_rank_env_is_what_torchrun_gives_a_single_worker():
@@ -60,34 +71,8 @@ def test_rank_env_refuses_bad_values(kwargs, message):
     (["python3", "-m", "pkg.mod"], ["/py", "-m", WORKER_MODULE, "--no-supervisor", "-m", "pkg.mod"], True),
 ])
 def test_direct_command(entrypoint, argv, hosted):
-    assert build_direct_command(assignment(entrypoint=entrypoint), python="/py") == (argv, hosted)
-
-
-def st(state, port=None):
-    return wire.LaunchStatus(state=state, master_port=port)
-
-
-@pytest.mark.parametrize("outbox, kept", [
-    ([], []),
-    ([("a", st("preparing"))], [0]),                                          # alone: sent
-    ([("a", st("preparing")), ("a", st("running")), ("a", st("exited"))], [1, 2]),
-    ([("a", st("preparing")), ("a", st("preparing", 5)), ("a", st("running", 5))], [2]),
-    ([("a", st("preparing")), ("b", st("preparing")), ("a", st("running"))], [1, 2]),  # b's is its last
-    ([("a", st("running")), ("a", st("exited"))], [0, 1]),                   # both in the history
-])
-def test_coalesce_statuses(outbox, kept):
-    result = coalesce_statuses(outbox)
-    assert [outbox.index(e) for e in result] == kept
-    assert all(any(r is e for e in outbox) for r in result)  # the same objects
-
-
-def test_settled_statuses_are_those_up_to_each_launchs_last_sent():
-    outbox = [("a", st("preparing")), ("b", st("preparing")), ("a", st("running")), ("b", st("running")),
-              ("a", st("exited"))]
-    sent = [outbox[2]]  # a's running got through, then the server went away
-    assert settled_statuses(outbox, sent) == outbox[:1] + outbox[2:3]
-    assert settled_statuses(outbox, []) == []
-    assert settled_statuses(outbox, [outbox[1], outbox[4]]) == [outbox[0], outbox[1], outbox[2], outbox[4]]
+    target = target_of_entrypoint(entrypoint, "/py")
+    assert (direct_command(target, python="/py"), target.hosted) == (argv, hosted)
 
 
 # ---------------------------------------------------------------- which launches the zygote forks
@@ -96,26 +81,33 @@ PY = "/venv/bin/python"
 ZYGOTE_ENV = {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
 
 
-@pytest.mark.parametrize("argv, env_changes, expected", [
-    ([PY, "-c", "pass"], {}, ("code", "pass", [])),
-    ([PY, "-c", "print(1)", "a", "-b"], {"RELAY_JOB_ID": "J", "OMP_NUM_THREADS": "1"},
-     ("code", "print(1)", ["a", "-b"])),
-    ([PY, "-m", WORKER_MODULE, "--no-supervisor", "train.py", "--lr", "1"], {}, ("script", "train.py", ["--lr", "1"])),
-    ([PY, "-m", WORKER_MODULE, "--no-supervisor", "-m", "pkg.mod"], {}, ("module", "pkg.mod", [])),
-    (["/other/python", "-c", "pass"], {}, None),                      # not the zygote's interpreter
-    (["bash", "run.sh"], {}, None),                                   # not python at all
-    ([PY, "-O", "-c", "pass"], {}, None),                             # interpreter flags: start it
-    ([PY, "-c"], {}, None),
-    ([PY, "-c", "pass"], {"PYTHONPATH": "/extra"}, None),             # read at start-up: start it
-    ([PY, "-c", "pass"], {"PYTHONHASHSEED": "0"}, None),
-    ([PY, "-c", "pass"], {"LC_ALL": "de_DE.UTF-8"}, None),
-    ([PY, "-c", "pass"], {"PYTHONUNBUFFERED": None}, None),           # removed
+def code(text, *args, interpreter=PY):
+    return WorkerTarget(kind=TargetKind.CODE, target=text, args=args, interpreter=interpreter)
+
+
+SCRIPT = WorkerTarget(kind=TargetKind.SCRIPT, target="train.py", args=("--lr", "1"))
+MODULE = WorkerTarget(kind=TargetKind.MODULE, target="pkg.mod")
+
+
+@pytest.mark.parametrize("target, python, env_changes, expected", [
+    (code("pass"), PY, {}, True),
+    (code("print(1)", "a", "-b"), PY, {"RELAY_JOB_ID": "J", "OMP_NUM_THREADS": "1"}, True),
+    (SCRIPT, PY, {}, True),
+    (MODULE, PY, {}, True),
+    (code("pass", interpreter="/other/python"), PY, {}, False),           # not the zygote's interpreter
+    (SCRIPT, "/other/python", {}, False),                                 # hosted by another interpreter
+    (WorkerTarget(kind=TargetKind.PROGRAM, target="bash", args=("run.sh",)), PY, {}, False),  # not python
+    (WorkerTarget(kind=TargetKind.PROGRAM, target=PY, args=("-O", "-c", "pass")), PY, {}, False),  # flags
+    (code("pass"), PY, {"PYTHONPATH": "/extra"}, False),                 # read at start-up: start it
+    (code("pass"), PY, {"PYTHONHASHSEED": "0"}, False),
+    (code("pass"), PY, {"LC_ALL": "de_DE.UTF-8"}, False),
+    (code("pass"), PY, {"PYTHONUNBUFFERED": None}, False),               # removed
 ])
-def test_zygote_eligible(argv, env_changes, expected):
+def test_zygote_eligible(target, python, env_changes, expected):
     env = {**ZYGOTE_ENV, **{k: v for k, v in env_changes.items() if v is not None}}
     for key in [k for k, v in env_changes.items() if v is None]:
         del env[key]
-    assert eligible(argv, env, python=PY, zygote_env=ZYGOTE_ENV) == expected
+    assert eligible(target, env, python=python, zygote_python=PY, zygote_env=ZYGOTE_ENV) is expected
 
 
 def test_startup_environment_keeps_what_the_interpreter_reads_when_it_starts():

@@ -9,8 +9,8 @@ Usage (what the launcher puts after torchrun's ``-m``)::
         # the script process alone: its parent (the agent's direct launch) supervises it
 
 Why: with torch's gloo backend a rank sometimes dies with SIGABRT ("terminate called without
-an active exception") during interpreter teardown, after the script has returned (DESIGN.md
-section 6). torchrun then calls a finished job failed. This module makes "the script returned"
+an active exception") during interpreter teardown, after the script has returned
+(docs/design.md, "Exit-time abort with DDP on gloo"). torchrun then calls a finished job failed. This module makes "the script returned"
 the definition of success, for scripts that know nothing about torchrelay.
 
 How, in two layers:
@@ -63,33 +63,10 @@ import sys
 import threading
 import time
 
+from torchrelay.agent.target import TargetKind, UsageError, WorkerTarget, target_of_worker_argv
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
-USAGE = ("usage: python -m torchrelay.agent.worker SCRIPT.py ARGS... | -m MODULE ARGS... "
-         "| --exec PROGRAM ARGS...")
-
-
-class UsageError(ValueError):
-    """The worker's own command line is malformed (names what was given)."""
-
-
-def parse_target(argv: list[str]) -> tuple[str, str, list[str]]:
-    """``(kind, target, args)`` from the worker's argv (without the program name).
-
-    ``kind`` is "script", "module" or "exec". Raises ``UsageError`` on an empty target.
-    """
-    if not argv:
-        raise UsageError(f"no script given; {USAGE}")
-    head = argv[0]
-    if head in ("-m", "--exec"):
-        if len(argv) < 2 or not argv[1]:
-            raise UsageError(f"{head} needs a {'module' if head == '-m' else 'program'}; {USAGE}")
-        return ("module" if head == "-m" else "exec"), argv[1], argv[2:]
-    if head.startswith("-m") and len(head) > 2:  # `-mpkg.mod`, as python accepts it
-        return "module", head[2:], argv[1:]
-    if head.startswith("-"):
-        raise UsageError(f"unknown option {head!r}; {USAGE}")
-    return "script", head, argv[1:]
 
 
 def exit_code_of(exc: SystemExit) -> int:
@@ -232,12 +209,13 @@ class RankLog:
         os.close(self.fd)
 
 
-def _waitpid(child: int, block: bool) -> int | None:
+def waitpid_status(child: int, block: bool) -> int | None:
+    """``os.waitpid``'s status of ``child`` once it ended; None while it runs and ``block`` is false."""
     pid, status = os.waitpid(child, 0 if block else os.WNOHANG)
     return status if pid else None
 
 
-def pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog, reap=_waitpid) -> int:
+def pump_until_exit(child: int, streams: dict[int, str], rank_log: RankLog, reap=waitpid_status) -> int:
     """Copy the child's output pipes (``{read fd: "o" | "e"}``, closed here) into ``rank_log``
     until it exits; returns its wait status. Blocks.
 
@@ -320,21 +298,21 @@ def _finish(code: int, keep_alive: object = None) -> None:
         os._exit(code)
 
 
-def run_script(kind: str, target: str, args: list[str]) -> None:
-    """Run the user's script as ``__main__`` in this process; never returns."""
+def run_script(worker_target: WorkerTarget) -> None:
+    """Run the user's script or module (a hosted target) as ``__main__`` in this process;
+    never returns."""
     import runpy
 
-    if kind == "script":
-        sys.argv = [target, *args]
+    script, target = worker_target.kind is TargetKind.SCRIPT, worker_target.target
+    sys.argv = [target, *worker_target.args]  # run_module replaces argv[0] with the module's file
+    if script:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
-    else:
-        sys.argv = [target, *args]  # run_module replaces argv[0] with the module's file
     # The script's globals stay referenced until os._exit, as they would under `python x.py`:
     # runpy drops its temporary __main__ on return, and freeing a DDP model or a process
     # group there is just the kind of finalisation that can abort.
     script_globals = None
     try:
-        if kind == "script":
+        if script:
             script_globals = runpy.run_path(target, run_name="__main__")
         else:
             script_globals = runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -395,7 +373,7 @@ def run_code(code: str, args: list[str], hidden_files: tuple[str, ...] = ()) -> 
 # ---------------------------------------------------------------- the supervisor
 
 
-def supervise(kind: str, target: str, args: list[str]) -> int:
+def supervise(target: WorkerTarget) -> int:
     """Fork the script process, forward signals, copy its output, reap it, write the final
     marker. Returns the supervisor's exit code (``supervisor_exit_code``)."""
     path = marker_path()
@@ -416,11 +394,12 @@ def supervise(kind: str, target: str, args: list[str]) -> int:
                 os.dup2(write_end, fd)
                 os.close(read_end)
                 os.close(write_end)
-            if kind == "exec":
-                os.execvp(target, [target, *args])
-            run_script(kind, target, args)
+            if not target.hosted:
+                argv = target.program_argv()
+                os.execvp(argv[0], argv)
+            run_script(target)
         except BaseException as exc:  # noqa: BLE001 - e.g. exec of a missing program
-            print(f"torchrelay worker: cannot start {target!r}: {exc}", file=sys.stderr)
+            print(f"torchrelay worker: cannot start {target.target!r}: {exc}", file=sys.stderr)
             sys.stderr.flush()
         os._exit(127)
 
@@ -439,7 +418,7 @@ def supervise(kind: str, target: str, args: list[str]) -> int:
         status = pump_until_exit(child, {pipes[0][0]: "o", pipes[1][0]: "e"}, rank_log)
     else:
         _, status = os.waitpid(child, 0)
-    marker = conclude(child, status, exec_mode=(kind == "exec"), path=path, rank_log=rank_log,
+    marker = conclude(child, status, exec_mode=not target.hosted, path=path, rank_log=rank_log,
                       rank=os.environ.get("RANK", "?"))
     return supervisor_exit_code(marker)
 
@@ -471,15 +450,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     unsupervised = bool(argv) and argv[0] == "--no-supervisor"
     try:
-        kind, target, args = parse_target(argv[1:] if unsupervised else argv)
-        if unsupervised and kind == "exec":
+        target = target_of_worker_argv(argv[1:] if unsupervised else argv)
+        if unsupervised and not target.hosted:
             raise UsageError("--no-supervisor runs a script or a module; the parent execs a program itself")
     except UsageError as exc:
         print(f"torchrelay worker: {exc}", file=sys.stderr)
         return 2
     if unsupervised:
-        run_script(kind, target, args)  # never returns
-    return supervise(kind, target, args)
+        run_script(target)  # never returns
+    return supervise(target)
 
 
 if __name__ == "__main__":

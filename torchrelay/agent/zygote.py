@@ -11,18 +11,19 @@ output pipes, and tells nobody how the child ended), hence this small one.
 Contract:
 - ``Zygote(python, env, log_path)`` does nothing until ``spawn``; the first ``spawn`` starts
   ``python -m torchrelay.agent.zygote FD`` in a new session with ``env`` (restarted if it died).
-- ``Zygote.spawn(kind, target, args, env=, cwd=, stdout=, stderr=) -> pid`` (blocks until
-  forked; raises ``ZygoteError``): the child starts a new session (its pid is its process
-  group), gets ``env`` as ``os.environ``, ``cwd``, stdin from /dev/null and the two given
-  descriptors as stdout and stderr, then runs ``kind`` "code" (``python -c TARGET ARGS``,
-  see ``worker.run_code``), "script" or "module" (``worker.run_script``, the exit hook).
+- ``Zygote.spawn(target, env=, cwd=, stdout=, stderr=) -> pid`` (blocks until forked; raises
+  ``ZygoteError``): the child starts a new session (its pid is its process group), gets
+  ``env`` as ``os.environ``, ``cwd``, stdin from /dev/null and the two given descriptors as
+  stdout and stderr, then runs the ``target.WorkerTarget``: code (``python -c CODE ARGS``,
+  see ``worker.run_code``), or a script or module (``worker.run_script``, the exit hook).
 - ``Zygote.wait_status(pid, block)`` is the child's wait status once it ended (the zygote
   reaps it and reports it); None while it runs (``block`` false). If the zygote dies, its
   children are killed and reported as SIGKILLed.
-- ``eligible(argv, env, python, zygote_env)`` (pure) says whether a direct launch may be
-  forked here instead of started: only the agent's own interpreter, only plain
-  ``python -c``, hosted scripts and modules, and only when every variable the interpreter
-  reads at start-up (``PYTHON*``, ``LANG``, ``LC_*``, ``TZ``) is the same as the zygote's.
+- ``eligible(target, env, python=, zygote_python=, zygote_env=)`` (pure) says whether a
+  direct launch may be forked here instead of started: only code, hosted scripts and modules
+  (no other program), only when the interpreter that would run it (``python``; for code its
+  own ``interpreter``) is the zygote's, and only when every variable the interpreter reads at
+  start-up (``PYTHON*``, ``LANG``, ``LC_*``, ``TZ``) is the same as the zygote's.
 - What differs from a fresh interpreter, and why it is acceptable: the hash seed is the
   zygote's (``PYTHONHASHSEED`` equal is required, so a job that pins it gets its value);
   modules the zygote imported (the standard library's, ``torchrelay.agent.worker``) are
@@ -43,7 +44,10 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+
+from torchrelay.agent import worker
+from torchrelay.agent.target import TargetKind, WorkerTarget
 
 MAX_MESSAGE = 256 * 1024  # one request: an environment and a command line
 STARTUP_VARIABLES = ("LANG", "TZ")  # besides PYTHON* and LC_*: read when the interpreter starts
@@ -59,28 +63,16 @@ def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
             if k.startswith(("PYTHON", "LC_")) or k in STARTUP_VARIABLES}
 
 
-def eligible(argv: Sequence[str], env: Mapping[str, str], *, python: str,
-             zygote_env: Mapping[str, str]) -> tuple[str, str, list[str]] | None:
-    """``(kind, target, args)`` for the zygote if the direct launch ``argv`` may be forked
-    from it, else None (pure). ``argv`` is what ``launcher.build_direct_command`` gives."""
-    from torchrelay.agent.launcher import WORKER_MODULE
-
-    if not argv or argv[0] != python:
-        return None
-    if startup_environment(env) != startup_environment(zygote_env):
-        return None
-    rest = list(argv[1:])
-    if len(rest) >= 2 and rest[0] == "-c":
-        return "code", rest[1], rest[2:]
-    if rest[:3] == ["-m", WORKER_MODULE, "--no-supervisor"] and len(rest) >= 4:
-        from torchrelay.agent import worker
-
-        try:
-            kind, target, args = worker.parse_target(rest[3:])
-        except worker.UsageError:
-            return None
-        return (kind, target, args) if kind in ("script", "module") else None
-    return None
+def eligible(target: WorkerTarget, env: Mapping[str, str], *, python: str, zygote_python: str,
+             zygote_env: Mapping[str, str]) -> bool:
+    """Whether a direct launch of ``target`` with ``env`` may be forked from the zygote
+    (pure); ``python`` is the interpreter that would run a hosted target."""
+    if target.kind is TargetKind.PROGRAM:
+        return False
+    interpreter = target.interpreter if target.kind is TargetKind.CODE else python
+    if interpreter != zygote_python:
+        return False
+    return startup_environment(env) == startup_environment(zygote_env)
 
 
 # ---------------------------------------------------------------- the agent's side
@@ -135,15 +127,18 @@ class Zygote:
                          daemon=True).start()
         return ours
 
-    def spawn(self, kind: str, target: str, args: Sequence[str], *, env: Mapping[str, str], cwd: str,
-              stdout: int, stderr: int, timeout: float = 30.0) -> int:
-        """Fork a worker; its pid. Blocks until forked. Raises ``ZygoteError``."""
+    def spawn(self, target: WorkerTarget, *, env: Mapping[str, str], cwd: str, stdout: int, stderr: int,
+              timeout: float = 30.0) -> int:
+        """Fork a worker that runs ``target`` (code, a script or a module); its pid. Blocks
+        until forked. Raises ``ZygoteError``."""
+        if target.kind is TargetKind.PROGRAM:
+            raise ZygoteError(f"a program ({target.target!r}) is started, not forked")
         with self._lock:
             sock = self._ensure_started()
             self._next_id += 1
             request_id = self._next_id
-            body = json.dumps({"id": request_id, "kind": kind, "target": target, "args": list(args),
-                               "env": dict(env), "cwd": cwd}).encode()
+            body = json.dumps({"id": request_id, "kind": target.kind.value, "target": target.target,
+                               "args": list(target.args), "env": dict(env), "cwd": cwd}).encode()
             if len(body) > MAX_MESSAGE:
                 raise ZygoteError(f"request of {len(body)} bytes is over {MAX_MESSAGE}")
             try:
@@ -246,14 +241,13 @@ def _child(request: dict, stdout: int, stderr: int, sock: socket.socket, wakeup:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        from torchrelay.agent import worker
-
-        kind, target, args = request["kind"], request["target"], request["args"]
-        if kind == "code":
-            worker.run_code(target, args, hidden_files=(__file__,))
-        if kind == "module":
+        target = WorkerTarget(kind=TargetKind(request["kind"]), target=request["target"],
+                              args=tuple(request["args"]))
+        if target.kind is TargetKind.CODE:
+            worker.run_code(target.target, list(target.args), hidden_files=(__file__,))
+        if target.kind is TargetKind.MODULE:
             sys.path[0] = os.getcwd()  # as `python -m` sets it
-        worker.run_script(kind, target, args)
+        worker.run_script(target)
     except BaseException as exc:  # noqa: BLE001 - e.g. a working directory that is gone
         try:
             os.write(2, f"torchrelay zygote: cannot start {request.get('target')!r}: {exc}\n".encode())
@@ -332,12 +326,11 @@ def serve(fd: int) -> None:
 
 
 def _preload() -> None:
-    """What every worker would import anyway, imported once here."""
+    """What every worker would import anyway, imported once here (besides the worker module,
+    imported with this one)."""
     import pkgutil  # noqa: F401  (runpy.run_path imports it, and typing with it)
     import runpy  # noqa: F401
     import types  # noqa: F401
-
-    from torchrelay.agent import worker  # noqa: F401
 
 
 if __name__ == "__main__":
