@@ -43,6 +43,8 @@ class EntryKind(enum.Enum):
 
 
 class Carrier(enum.Enum):
+    """Which heartbeat would carry the statuses taken (see ``Outbox.take_statuses``)."""
+
     HEARTBEAT = "heartbeat"
     LONG_POLL = "long poll"
     ASIDE = "aside"

@@ -31,7 +31,7 @@ How, in two layers:
    supervisor exit ``128 + signal``; both are failures.
 
 ``--no-supervisor`` (what the agent's direct launch of a world of one uses, see
-``torchrelay.agent.launcher``) runs only layer 2 in this process; the parent that started it
+``torchrelay.agent.backends``) runs only layer 2 in this process; the parent that started it
 does layer 1 with the same functions (``pump_until_exit``, ``conclude``), which saves starting
 a second interpreter per launch.
 
