@@ -18,6 +18,8 @@ final_average         ``FinalAverage``: no communication while training; paramet
 ====================  =====================================================================
 
 Contract:
+- ``SyncOptimizer`` is a ``train.prepared.StrategyOptimizer``: ``metrics``, ``per_replica_tensors``,
+  ``before_checkpoint``, ``finish`` and ``inner`` below are the hooks the library calls.
 - Collectives go over the default process group (gloo on CPU, nccl on GPU); every rank must
   make the same calls in the same order (``step``, ``finish``, ``before_checkpoint``).
 - ``prepare`` broadcasts rank 0's parameters first (DDP does the same), so replicas start equal.
