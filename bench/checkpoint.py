@@ -174,7 +174,7 @@ def training_run(model: torch.nn.Module, *, async_: bool, saves: int, first_at: 
                                    next_step_s=elapsed)  # the step after a save is where the guard waits
             else:
                 plain_steps.append(elapsed)
-            in_flight = ckpt._in_flight is not None and not ckpt._in_flight.done.done()
+            in_flight = ckpt.save_in_progress()
             if step >= first_at and len(records) < saves and not in_flight:
                 os.sync()  # neither mode pays for write-back it did not cause
                 waited[0] = 0.0

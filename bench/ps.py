@@ -5,7 +5,7 @@
     and back), alternated round by round. The PS figure includes the server's SGD
     update of the 100 MB. Two PS rows: ``shared memory``, what a job whose shard is on the
     worker's host gets by default (payloads through the worker's sealed memfd, headers on the
-    socket), and ``TCP`` (``TORCHRELAY_PS_SHM=0``: payloads on the socket, as between hosts).
+    socket), and ``TCP`` (``RELAY_PS_SHM=0``: payloads on the socket, as between hosts).
     ``vs_raw_tcp`` is the TCP path's ratio (the issue's "over 127.0.0.1"),
     ``vs_raw_tcp_shm_path`` the default same-host path's. In (b) ``vs_torch_rpc`` compares
     the default paths of both sides on one host (TensorPipe's shm transport and cma channel,
@@ -82,7 +82,7 @@ N_TENSORS = 4
 
 
 def child_ps() -> None:
-    """One rank of a PS job (RANK, WORLD_SIZE, TORCHRELAY_PS_STORE, BENCH_CFG)."""
+    """One rank of a PS job (RANK, WORLD_SIZE, RELAY_PS_STORE, BENCH_CFG)."""
     import torch
 
     import torchrelay.train.ps as ps
@@ -358,7 +358,7 @@ def run_ps(cfg: dict, workers: int, servers: int) -> list[dict]:
         try:
             for r in range(workers + servers):
                 procs.start("ps", {"RANK": str(r), "WORLD_SIZE": str(workers + servers),
-                                   "TORCHRELAY_PS_STORE": f"127.0.0.1:{store.port}",
+                                   "RELAY_PS_STORE": f"127.0.0.1:{store.port}",
                                    "BENCH_CFG": json.dumps({**cfg, "out": out})})
             procs.wait()
         finally:
@@ -407,7 +407,7 @@ def run_rpc(repeats: int) -> dict[str, list[float]]:
 def run_transfer(repeats: int) -> dict[str, list[float]]:
     """(a): raw TCP round trips and PS steps of the same 100 MB, alternated round by round so
     all see the same machine load: ``raw``; ``shm``, our PS as a same-host job gets it by
-    default (payloads through the shared region); ``tcp``, our PS with ``TORCHRELAY_PS_SHM=0``
+    default (payloads through the shared region); ``tcp``, our PS with ``RELAY_PS_SHM=0``
     (payloads on the socket, as between hosts). This process is the PS worker of both PS
     jobs and the TCP client; the server ranks and the TCP echo peer are child processes."""
     import torch
@@ -426,11 +426,11 @@ def run_transfer(repeats: int) -> dict[str, list[float]]:
             for path in ("shm", "tcp"):
                 stores[path] = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                              timeout=datetime.timedelta(seconds=120))
-                procs.start("ps", {"RANK": "1", "WORLD_SIZE": "2", "TORCHRELAY_PS_STORE": f"127.0.0.1:{stores[path].port}",
+                procs.start("ps", {"RANK": "1", "WORLD_SIZE": "2", "RELAY_PS_STORE": f"127.0.0.1:{stores[path].port}",
                                    "BENCH_CFG": json.dumps({"strategy": strategy.model_dump(), "out": out})})
             procs.start("tcp", {"BENCH_CFG": json.dumps({"repeats": repeats, "out": out})})
             for path in ("shm", "tcp"):
-                os.environ["TORCHRELAY_PS_SHM"] = "1" if path == "shm" else "0"
+                os.environ["RELAY_PS_SHM"] = "1" if path == "shm" else "0"
                 ctx = types.SimpleNamespace(rank=0, world_size=2, strategy=strategy, store=stores[path])
                 model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(MB100 // 4 // N_TENSORS))
                                                 for _ in range(N_TENSORS)])
@@ -440,7 +440,7 @@ def run_transfer(repeats: int) -> dict[str, list[float]]:
                 for p in model.parameters():
                     p.grad.fill_(1e-6)
                 opts[path] = opt
-            os.environ.pop("TORCHRELAY_PS_SHM")
+            os.environ.pop("RELAY_PS_SHM")
             port_file = Path(out, "tcp_port")
             while not port_file.exists() or not port_file.read_text():
                 time.sleep(0.05)

@@ -39,7 +39,7 @@ def worker(out_dir: str, modes: str) -> None:
         train(ctx, out_dir, mode)
     rt.shutdown()
     sys.stdout.flush()
-    os._exit(0)  # the exit status says whether the work ran, not whether teardown was lucky (DESIGN §6)
+    os._exit(0)  # the exit status says whether the work ran, not whether teardown was lucky (docs/design.md, exit-time abort)
 
 
 def train(ctx, out_dir: str, mode: str) -> None:  # noqa: ANN001

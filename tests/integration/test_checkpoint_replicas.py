@@ -47,7 +47,7 @@ def job_id(mode: str, kind: str) -> str:
 def worker(out_dir: str, runs: str) -> None:
     """Train once per ``mode:strategy`` in ``runs``, in order, each as its own job id."""
     import torchrelay.train as rt
-    from torchrelay.train.context import parse_strategy
+    from torchrelay.train.environment import parse_strategy
 
     ctx = rt.init()
     modes = []
@@ -61,7 +61,7 @@ def worker(out_dir: str, runs: str) -> None:
     if set(modes) != {"killed"}:
         rt.shutdown()
     sys.stdout.flush()
-    os._exit(0)  # killed runs die here without shutdown; the status says the work ran (DESIGN §6)
+    os._exit(0)  # killed runs die here without shutdown; the status says the work ran (docs/design.md, exit-time abort)
 
 
 def train(ctx, out_dir: str, mode: str, kind: str) -> None:  # noqa: ANN001

@@ -8,7 +8,7 @@ pause_s, hold_until_peer_steps}, ``pause_at`` {rank, step} (wait for store key "
 ``kill_shard`` {rank, step, shard} (that worker SIGKILLs the shard's process, whose pid the
 supervisor published, once the other worker waits inside that round).
 Rank/world come from torchrun (``--torchrun``: init_process_group and the default store) or
-from RANK/WORLD_SIZE with TORCHRELAY_PS_STORE.
+from RANK/WORLD_SIZE with RELAY_PS_STORE.
 """
 from __future__ import annotations
 

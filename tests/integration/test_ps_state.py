@@ -70,9 +70,9 @@ def train(net: torch.nn.Module, opt: PSOptimizer, steps: range) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_state_dict_round_trip_continues_training_exactly(transport, monkeypatch):
-    """Over shared memory (the default on one host) and over TCP (TORCHRELAY_PS_SHM=0)."""
+    """Over shared memory (the default on one host) and over TCP (RELAY_PS_SHM=0)."""
     if transport == "tcp":
-        monkeypatch.setenv("TORCHRELAY_PS_SHM", "0")
+        monkeypatch.setenv("RELAY_PS_SHM", "0")
     first = Cluster()
     try:
         net = model()

@@ -38,7 +38,7 @@ class Job:
         digits(str(data))  # once here, so no worker pays for importing sklearn
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                    PS_JOB=json.dumps({**cfg, "out": str(out), "data": str(data)}))
-        env.pop("TORCHRELAY_PS_STORE", None)
+        env.pop("RELAY_PS_STORE", None)
         world = self.workers + self.servers
         if torchrun:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -47,7 +47,7 @@ class Job:
             return
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=60))
-        env["TORCHRELAY_PS_STORE"] = f"127.0.0.1:{self.store.port}"
+        env["RELAY_PS_STORE"] = f"127.0.0.1:{self.store.port}"
         self.procs = [subprocess.Popen([sys.executable, str(JOB)], cwd=REPO, start_new_session=True,
                                        env={**env, "RANK": str(r), "WORLD_SIZE": str(world)})
                       for r in range(world)]

@@ -188,7 +188,7 @@ def _entry(rank: int, port: int, outdir: str, data: tuple[torch.Tensor, ...]) ->
         result = scenarios(rank)
         torch.save(result, Path(outdir) / f"rank{rank}.pt")
     finally:
-        gc.collect()  # DDP's reducer sits in a reference cycle: see DESIGN.md section 6
+        gc.collect()  # DDP's reducer sits in a reference cycle: see docs/design.md, exit-time abort
         dist.destroy_process_group()
 
 

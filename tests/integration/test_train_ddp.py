@@ -65,7 +65,7 @@ def worker(out_dir: str) -> None:
         rt.report(step, loss=loss.item())
     torch.save(rt.unwrap(model).state_dict(), os.path.join(out_dir, f"rank-{ctx.rank}.pt"))
     rt.shutdown()
-    # The exit status must say whether the math ran, not whether teardown was lucky (DESIGN §6).
+    # The exit status must say whether the math ran, not whether teardown was lucky (docs/design.md, exit-time abort).
     sys.stdout.flush()
     os._exit(0)
 

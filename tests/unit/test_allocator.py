@@ -45,5 +45,5 @@ def test_tuned_process_reuses_freed_memory_without_page_faults():
 
 
 def test_turned_off_by_environment():
-    applied, _ = _probe({"TORCHRELAY_MALLOC_TUNE": "0"})
+    applied, _ = _probe({"RELAY_MALLOC_TUNE": "0"})
     assert applied == "False"

@@ -1,4 +1,4 @@
-"""torchrelay.train.context: environment parsing (pure), backend choice, init/prepare in a world of 1."""
+"""torchrelay.train.environment (pure: environment parsing, backend choice) and context (init/prepare in a world of 1)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 import torchrelay.train as rt
 from torchrelay.errors import InvalidSpec
 from torchrelay.spec import DDPStrategy, DiLoCoStrategy, ParameterServerStrategy
-from torchrelay.train.context import choose_backend, context_from_env
+from torchrelay.train.environment import choose_backend, context_from_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -197,7 +197,7 @@ def test_prepare_hands_sync_strategies_to_train_sync(single_process, strategy):
     (None, None, None), (None, "", None), (30, None, 30.0), (None, "12.5", 12.5), (5, "99", 5.0),
 ])
 def test_collective_timeout(timeout_s, env_value, expected):
-    from torchrelay.train.context import collective_timeout
+    from torchrelay.train.environment import collective_timeout
 
     got = collective_timeout(timeout_s, env_value)
     assert (got.total_seconds() if got is not None else None) == expected
@@ -210,7 +210,7 @@ def test_collective_timeout(timeout_s, env_value, expected):
     ("10", None, "timeout_s='10' must be"),
 ])
 def test_collective_timeout_refuses(timeout_s, env_value, fragment):
-    from torchrelay.train.context import collective_timeout
+    from torchrelay.train.environment import collective_timeout
 
     with pytest.raises(InvalidSpec, match=fragment):
         collective_timeout(timeout_s, env_value)

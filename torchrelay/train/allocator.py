@@ -4,7 +4,7 @@ Contract: ``keep_freed_memory()`` raises glibc's trim threshold (never shrink th
 fixes its mmap threshold at glibc's maximum, 32 MiB on 64-bit (tensors up to that size come
 from the heap, and are reused, instead of a fresh ``mmap`` each time). Process-wide;
 idempotent; returns True when both settings took, False where the C library is not glibc,
-glibc refused one of them, or ``TORCHRELAY_MALLOC_TUNE=0``. Never raises.
+glibc refused one of them, or ``RELAY_MALLOC_TUNE=0``. Never raises.
 
 Why: a CPU training step frees and reallocates the same tensors every step (activations,
 and gradients when the optimizer zeroes them with ``set_to_none=True``, torch's default).
@@ -38,7 +38,7 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get("TORCHRELAY_MALLOC_TUNE", "1") == "0":
+    if os.environ.get("RELAY_MALLOC_TUNE", "1") == "0":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

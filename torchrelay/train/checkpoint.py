@@ -51,7 +51,6 @@ import json
 import logging
 import posixpath
 import re
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,10 +64,16 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from torchrelay.errors import CheckpointCorrupt, NotFound, StaleAttempt, StorageError
+from torchrelay.spec import CheckpointPolicy
 from torchrelay.storage import ArtifactStore, validate_relative_path
+from torchrelay.train.artifacts import job_store
 from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
 from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
                                                   split_replicas)
+from torchrelay.train.preempt import mark_cooperative, poll_stop_for_checkpoint
+from torchrelay.train.prepared import StrategyOptimizer, strategy_optimizer
+from torchrelay.train.roles import Roles
+from torchrelay.train.session import current_session
 
 log = logging.getLogger("torchrelay.train.checkpoint")
 # DCP warns on every single-process save/load even when asked for one (no_dist=True)
@@ -432,46 +437,42 @@ def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None, *, 
 
 
 # ---------------------------------------------------------------- the job's checkpoints
-
-_group_lock = threading.Lock()
-_checkpoint_group: Any = None
-_in_flight: "_PendingSave | None" = None
+# What follows works on the session's checkpoint state (train.session): its own process group,
+# the async save in flight and the threads that stage and upload it.
 
 
 def job_checkpoints() -> CheckpointStore:
     """This job's ``CheckpointStore`` (keep from ``RELAY_CHECKPOINT``)."""
-    from torchrelay.train.artifacts import job_store
-    from torchrelay.train.context import current_context
-
     store, job_id = job_store()
-    ctx = current_context()
+    ctx = current_session().known_context()
     return CheckpointStore(store, job_id, keep=ctx.checkpoint.keep, attempt=ctx.attempt)
 
 
 def _save_group() -> tuple[bool, Any]:
     """(this rank writes, process group or None). Collective the first time (makes the group)."""
-    global _checkpoint_group
-    from torchrelay.train.context import current_context
-
-    ctx = current_context()
-    if ctx.strategy.kind == "parameter_server":
+    session = current_session()
+    ctx = session.known_context()
+    if not Roles.of(ctx.rank, ctx.world_size, ctx.strategy).collectives_on_default_group:
         return ctx.is_main, None  # server ranks never join a collective: worker 0 writes alone
     if not (dist.is_available() and dist.is_initialized()):
         return ctx.is_main, None  # ranks without a process group cannot agree: the main one writes
     if dist.get_world_size() == 1:
         return True, None
-    with _group_lock:
+    state = session.checkpoint
+    with state.lock:
         world = dist.group.WORLD
-        if _checkpoint_group is None or _checkpoint_group[0] is not world:  # none yet, or made before a re-init
+        if state.group is None or state.group[0] is not world:  # none yet, or made before a re-init
             # async saves run their collectives from a background thread: they need a group of
             # their own (gloo, which also serves nccl jobs' CPU copies), or they would interleave
             # with training's collectives on the default group
-            _checkpoint_group = (world, dist.new_group(backend="gloo"))
-        return True, _checkpoint_group[1]
+            state.group = (world, dist.new_group(backend="gloo"))
+        return True, state.group[1]
 
 
 @dataclasses.dataclass
-class _PendingSave:
+class PendingSave:
+    """An async save: its staging copy (``staged``) and its upload and commit (``done``)."""
+
     step: int
     url: str
     staged: Future
@@ -480,9 +481,15 @@ class _PendingSave:
     hooks: list[Any] = dataclasses.field(default_factory=list)
 
 
+def save_in_progress() -> bool:
+    """True while an async save is still being written (neither committed nor failed). Does not block."""
+    pending = current_session().checkpoint.in_flight
+    return pending is not None and not pending.done.done()
+
+
 def wait_for_staging() -> None:
     """Block until the in-flight async save holds its own copy of the state (no-op without one)."""
-    pending = _in_flight
+    pending = current_session().checkpoint.in_flight
     if pending is not None:
         try:
             pending.staged.result()
@@ -491,7 +498,7 @@ def wait_for_staging() -> None:
         _remove_hooks(pending)
 
 
-def _remove_hooks(pending: _PendingSave) -> None:
+def _remove_hooks(pending: PendingSave) -> None:
     hooks, pending.hooks = pending.hooks, []
     for handle in hooks:
         handle.remove()
@@ -501,10 +508,10 @@ def wait_for_checkpoint() -> str | None:
     """Block until the in-flight async save is committed; its URL, or None when none was in flight.
 
     Raises ``StorageError`` (on every rank) when that save failed; the previous checkpoint stays
-    loadable. Call it before the process ends (``shutdown()`` should).
+    loadable. Call it before the process ends (``shutdown()`` does).
     """
-    global _in_flight
-    pending, _in_flight = _in_flight, None
+    state = current_session().checkpoint
+    pending, state.in_flight = state.in_flight, None
     if pending is None:
         return None
     try:
@@ -520,18 +527,18 @@ def wait_for_checkpoint() -> str | None:
     return pending.url
 
 
-def _guard(pending: _PendingSave, guarded: Iterable[Any]) -> None:
+def _guard(pending: PendingSave, guarded: Iterable[Any]) -> None:
     """Make ``guarded`` optimizers' step() and modules' forward() (those with buffers) wait for the staging copy.
 
-    A wrapping optimizer (``train.sync``'s) is guarded through the optimizer it wraps
-    (``.inner``), whose ``step()`` is what changes the parameters.
+    A strategy's optimizer that wraps another (``train.sync``'s) is guarded through the one it
+    wraps too (``StrategyOptimizer.inner``), whose ``step()`` is what changes the parameters.
     """
     def wait(*_args: Any, **_kwargs: Any) -> None:
-        wait_for_staging()
+        wait_for_staging()  # by its module name: a bench times what the hooks wait
 
     seen: set[int] = set()
     for obj in guarded:
-        targets = [obj, getattr(obj, "inner", None)] if isinstance(obj, torch.optim.Optimizer) else [obj]
+        targets = [obj, strategy_optimizer(obj).inner] if isinstance(obj, torch.optim.Optimizer) else [obj]
         for target in targets:
             if target is None or id(target) in seen:
                 continue
@@ -550,13 +557,13 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     """Commit ``state`` (tensors, state dicts, numbers, strings) as the checkpoint at ``step``; its URL.
 
     Call it on every rank, with the live tensors (``state_dict()`` shares storage). The prepared
-    optimizer's ``before_checkpoint()`` runs first where it has one (final averaging: a
-    collective). Replicated tensors are written once, spread over the ranks; keys that only one
-    rank has (per-rank RNG states) are written by that rank. Tensors that the prepared optimizer
-    names as differing between ranks (``per_replica_tensors()``; under local SGD, DiLoCo and final
-    averaging: inner optimizer state, buffers, and parameters between sync points) are written
-    once per rank and each rank loads its own back (checkpoint_replicas); they are recognised by
-    their memory, so pass live tensors (``state_dict()``), not copies.
+    optimizer's ``before_checkpoint()`` runs first (final averaging: a collective). Replicated
+    tensors are written once, spread over the ranks; keys that only one rank has (per-rank RNG
+    states) are written by that rank. Tensors that the prepared optimizer names as differing
+    between ranks (``per_replica_tensors()``; under local SGD, DiLoCo and final averaging: inner
+    optimizer state, buffers, and parameters between sync points) are written once per rank and
+    each rank loads its own back (checkpoint_replicas); they are recognised by their memory, so
+    pass live tensors (``state_dict()``), not copies.
 
     ``async_`` (default: the job policy's ``async``) returns as soon as a background copy of the
     state has started; the prepared optimizer and the objects in ``guard`` (optimizers, modules)
@@ -565,14 +572,10 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     every rank, for this save or a failed previous async one; the previous checkpoint stays
     loadable.
     """
-    global _in_flight
-    from torchrelay.train.context import current_context, current_optimizer
-
-    before = getattr(current_optimizer(), "before_checkpoint", None)
-    if callable(before):
-        wait_for_staging()  # it changes the parameters: the previous async save must hold its copy
-        before()  # e.g. final averaging: the checkpoint holds the consensus (collective)
-    ctx = current_context()
+    session = current_session()
+    wait_for_staging()  # before_checkpoint may change the parameters: the previous save holds its copy first
+    session.hooks.before_checkpoint()  # e.g. final averaging: the checkpoint holds the consensus (collective)
+    ctx = session.known_context()
     async_ = ctx.checkpoint.async_ if async_ is None else bool(async_)
     checkpoints = job_checkpoints()
     url = checkpoints.url(step_dirname(step))
@@ -580,7 +583,7 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
     writes, group = _save_group()
     if not writes:
         return url
-    split = _replica_split(current_optimizer(), group)
+    split = _replica_split(session.hooks, group)
     if not async_:
         return checkpoints.save(state, step, group=group, split=split)
     stager, uploader = _async_workers()
@@ -591,32 +594,28 @@ def save_checkpoint(state: dict, step: int, async_: bool | None = None, guard: I
         dcp.save(staged.result(), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
                  no_dist=group is None)
 
-    pending = _PendingSave(step=step, url=url, staged=staged, done=uploader.submit(upload), checkpoints=checkpoints)
+    pending = PendingSave(step=step, url=url, staged=staged, done=uploader.submit(upload), checkpoints=checkpoints)
     pending.done.add_done_callback(lambda f, p=pending: _report_failure(p, f))
-    _guard(pending, [current_optimizer(), *guard])
-    _in_flight = pending
+    _guard(pending, [session.optimizer, *guard])
+    session.checkpoint.in_flight = pending
     return url
 
 
-def _replica_split(optimizer: Any, group: Any) -> Callable[[dict], dict] | None:
+def _replica_split(optimizer: StrategyOptimizer, group: Any) -> Callable[[dict], dict] | None:
     """How this rank's state is split (checkpoint_replicas), or None when every rank holds the same.
 
     The prepared optimizer names the tensors that differ between ranks now
     (``per_replica_tensors()``: local SGD, DiLoCo and final averaging do; ddp does not), and
     the values of the state that view their memory are kept once per rank.
     """
-    per_replica = getattr(optimizer, "per_replica_tensors", None)
-    if group is None or not callable(per_replica):
+    if group is None:
         return None
-    tensors = per_replica()
+    tensors = optimizer.per_replica_tensors()
     if not tensors:
         return None
     is_replica = same_memory(tensors)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     return lambda state: split_replicas(state, is_replica, rank, world_size)
-
-
-_workers: tuple[DefaultStager, ThreadPoolExecutor] | None = None
 
 
 def _async_workers() -> tuple[DefaultStager, ThreadPoolExecutor]:
@@ -627,20 +626,20 @@ def _async_workers() -> tuple[DefaultStager, ThreadPoolExecutor]:
     stager also keeps its CPU copies between saves (at most one in flight), so no save after the
     first allocates.
     """
-    global _workers
-    with _group_lock:
-        if _workers is None:
+    state = current_session().checkpoint
+    with state.lock:
+        if state.workers is None:
             stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                   use_async_staging=True, use_non_blocking_copy=False))
             uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-ckpt-upload")
             for pool in (stager._staging_executor, uploader):  # start both threads now, not on a save
                 if pool is not None:
                     pool.submit(lambda: None).result()
-            _workers = (stager, uploader)
-        return _workers
+            state.workers = (stager, uploader)
+        return state.workers
 
 
-def _report_failure(pending: _PendingSave, future: Future) -> None:
+def _report_failure(pending: PendingSave, future: Future) -> None:
     error = future.exception()
     if error is not None:
         log.error("async checkpoint of step %d at %s failed (raised by the next save or wait_for_checkpoint): %s",
@@ -653,11 +652,9 @@ def load_checkpoint() -> tuple[Any, int] | None:
     Call it on every rank (collective). Tensors land on the CPU (``load_state_dict`` moves
     them). Corrupt ones are skipped with a warning naming each and why.
     """
-    from torchrelay.train.context import current_context
-
     wait_for_checkpoint()
-    writes, group = _save_group()
-    ctx = current_context()
+    _writes, group = _save_group()
+    ctx = current_session().known_context()
 
     def decode(checkpoints: CheckpointStore, name: str, group: Any) -> dict:
         return decode_files(checkpoints, name, group, rank=ctx.rank, world_size=ctx.world_size)
@@ -666,14 +663,21 @@ def load_checkpoint() -> tuple[Any, int] | None:
     return None if loaded is None else (loaded.state, loaded.step)
 
 
-def checkpoint_due(step: int) -> bool:
-    """True when the job's policy (``checkpoint.every_steps``) asks for a checkpoint at ``step``."""
-    from torchrelay.train.context import current_context
-
-    from torchrelay.train import preempt
-
-    preempt.mark_cooperative()
-    if preempt.stop_requested():
-        return True  # the platform asked this worker to stop: commit what it has first
-    every = current_context().checkpoint.every_steps
+def is_checkpoint_step(step: int, policy: CheckpointPolicy) -> bool:
+    """Whether ``policy`` (``checkpoint.every_steps``) asks for a checkpoint at ``step``. Pure."""
+    every = policy.every_steps
     return every > 0 and step > 0 and step % every == 0
+
+
+def checkpoint_due(step: int) -> bool:
+    """True when the job's policy asks for a checkpoint at ``step``, or once a stop was requested.
+
+    Not a plain question: it polls the stop request (``poll_stop_for_checkpoint``:
+    collective when distributed, so call it on every rank at every step) and marks the loop as
+    one that polls, so SIGTERM from then on waits for the loop instead of ending the process
+    (``train.preempt``). The policy alone is ``is_checkpoint_step``.
+    """
+    mark_cooperative()
+    if poll_stop_for_checkpoint():
+        return True  # the platform asked this worker to stop: commit what it has first
+    return is_checkpoint_step(step, current_session().known_context().checkpoint)

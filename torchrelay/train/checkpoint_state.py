@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from torchrelay.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrelay.train.session import current_session
 
 log = logging.getLogger("torchrelay.train.checkpoint")
 
@@ -77,9 +78,7 @@ def restore_rng(saved: dict[str, Any]) -> None:
 
 
 def _rank() -> int:
-    from torchrelay.train.context import current_context
-
-    return current_context().rank
+    return current_session().known_context().rank
 
 
 # ---------------------------------------------------------------- TrainState

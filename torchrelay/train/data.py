@@ -20,17 +20,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from torchrelay.train.roles import Roles
+from torchrelay.train.session import current_session
+
 
 def _resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    from torchrelay.train.context import current_context
-
-    ctx = current_context()
+    ctx = current_session().known_context()
     data_rank, data_world = ctx.rank, ctx.world_size
-    if ctx.strategy.kind == "parameter_server" and (rank is None or world_size is None):
-        # server ranks hold no data: the data is split over the workers only
-        from torchrelay.train import ps
-
-        data_rank, data_world = ps.worker_world(ctx)
+    if rank is None or world_size is None:
+        # under the parameter server the data is split over the workers only (train.roles)
+        data_rank, data_world = Roles.of(ctx.rank, ctx.world_size, ctx.strategy).data_world()
     rank = data_rank if rank is None else rank
     world_size = data_world if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:

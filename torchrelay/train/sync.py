@@ -1,7 +1,7 @@
 """How often replicas agree: ddp, local SGD, DiLoCo and one-shot final averaging.
 
 ``prepare(model, optimizer, strategy, ctx) -> (model, optimizer)`` applies one strategy from
-``torchrelay.spec`` as two transforms (DESIGN.md section 4): a model transform (only ``ddp``
+``torchrelay.spec`` as two transforms: a model transform (only ``ddp``
 wraps the model, in ``DistributedDataParallel``) and an optimizer transform, ``SyncOptimizer``,
 that wraps the user's optimizer and runs a list of ``SyncRule`` objects around each local step:
 
@@ -18,6 +18,8 @@ final_average         ``FinalAverage``: no communication while training; paramet
 ====================  =====================================================================
 
 Contract:
+- ``SyncOptimizer`` is a ``train.prepared.StrategyOptimizer``: ``metrics``, ``per_replica_tensors``,
+  ``before_checkpoint``, ``finish`` and ``inner`` below are the hooks the library calls.
 - Collectives go over the default process group (gloo on CPU, nccl on GPU); every rank must
   make the same calls in the same order (``step``, ``finish``, ``before_checkpoint``).
 - ``prepare`` broadcasts rank 0's parameters first (DDP does the same), so replicas start equal.
@@ -49,7 +51,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.spec import (
@@ -57,9 +59,10 @@ from torchrelay.spec import (
     DiLoCoStrategy,
     FinalAverageStrategy,
     LocalSGDStrategy,
-    Strategy,
     describe_validation_error,
 )
+from torchrelay.train.environment import validate_strategy
+from torchrelay.train.prepared import StrategyOptimizer
 
 __all__ = [
     "Context", "SyncOptimizer", "SyncRule", "GradientAverage", "ParameterAverage", "DiLoCoOuter",
@@ -368,7 +371,7 @@ def _by_dtype_indices(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 # ---------------------------------------------------------------- optimizer transform
 
 
-class SyncOptimizer(torch.optim.Optimizer):
+class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
     """Wraps the user's optimizer: ``step()`` = rules' ``before_step``, local step, rules' ``after_step``.
 
     Shares ``param_groups`` and ``state`` with the inner optimizer, so LR schedulers work on it.
@@ -542,7 +545,7 @@ def _as_strategy(strategy: Any):
         return DDPStrategy()
     if isinstance(strategy, dict):
         try:
-            strategy = TypeAdapter(Strategy).validate_python(strategy)
+            strategy = validate_strategy(strategy)
         except ValidationError as exc:
             raise InvalidSpec(describe_validation_error(exc).replace("spec", "strategy", 1)) from None
     if not isinstance(strategy, (DDPStrategy, LocalSGDStrategy, DiLoCoStrategy, FinalAverageStrategy)):

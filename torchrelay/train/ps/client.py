@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from torchrelay.train.prepared import StrategyOptimizer
 from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import ITEMSIZE, ParamSpec, Plan, make_plan
 from torchrelay.train.ps.rendezvous import ShardDirectory
@@ -210,7 +211,7 @@ class _ShardLink:
         return reply, P.recv_bytes(self.sock, reply.payload_len)
 
 
-class PSOptimizer:
+class PSOptimizer(StrategyOptimizer):
     """What ``prepare`` returns as the optimizer in parameter-server mode. See module docstring."""
 
     def __init__(self, model: torch.nn.Module, *, rank: int, num_workers: int, servers: int,

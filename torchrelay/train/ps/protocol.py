@@ -1,7 +1,7 @@
 """The parameter server's wire format: a fixed versioned header, then raw tensor bytes.
 
-Why a socket protocol and not ``torch.distributed`` point-to-point (measured, DESIGN.md §6
-and ``bench/ps.py``): on loopback both move a 100 MB push+pull at about the same rate
+Why a socket protocol and not ``torch.distributed`` point-to-point (measured, docs/design.md,
+reference figures, and ``bench/ps.py``): on loopback both move a 100 MB push+pull at about the same rate
 (~2.6 GB/s here), so speed does not decide it. What decides it: a gloo process group dies as a
 whole when one member dies, so a crashed server shard could never be restarted and
 reconnected to; a socket can. A header we own also lets a server check every message (version,

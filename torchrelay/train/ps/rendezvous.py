@@ -3,7 +3,7 @@
 Contract:
 - ``resolve_store(ctx)`` returns the key-value store every process of the job shares, first
   found of: ``ctx.store``; the default process group's store (what torchrun +
-  ``init_process_group`` already built); ``TORCHRELAY_PS_STORE=host:port`` (a TCPStore
+  ``init_process_group`` already built); ``RELAY_PS_STORE=host:port`` (a TCPStore
   someone else hosts, used by tests and benches). Raises ``RuntimeError`` saying what to
   provide when there is none.
 - ``ShardDirectory(store, prefix)`` is the address book. A server publishes each incarnation
@@ -12,7 +12,7 @@ Contract:
   ``(generation, host, port)``. ``publish_plan`` / ``read_plan`` carry the sharding plan.
   Keys live under ``torchrelay/ps/<restart count>/`` so a torchrun restart never reads the
   previous attempt's addresses.
-- ``advertised_host()`` is the address servers bind and publish: ``TORCHRELAY_PS_HOST`` if set,
+- ``advertised_host()`` is the address servers bind and publish: ``RELAY_PS_HOST`` if set,
   else the local address that routes to ``MASTER_ADDR`` (127.0.0.1 when that is loopback).
 """
 from __future__ import annotations
@@ -32,15 +32,15 @@ def resolve_store(ctx: Any) -> Any:
 
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
-    address = os.environ.get("TORCHRELAY_PS_STORE")
+    address = os.environ.get("RELAY_PS_STORE")
     if address:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise RuntimeError(f"TORCHRELAY_PS_STORE={address!r} is not host:port")
+            raise RuntimeError(f"RELAY_PS_STORE={address!r} is not host:port")
         return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300))
     raise RuntimeError("the parameter server needs the job's store to publish addresses: call "
                        "torchrelay.train.init() (or init_process_group) first, give ctx.store, "
-                       "or set TORCHRELAY_PS_STORE=host:port")
+                       "or set RELAY_PS_STORE=host:port")
 
 
 def default_prefix() -> str:
@@ -48,7 +48,7 @@ def default_prefix() -> str:
 
 
 def advertised_host() -> str:
-    explicit = os.environ.get("TORCHRELAY_PS_HOST")
+    explicit = os.environ.get("RELAY_PS_HOST")
     if explicit:
         return explicit
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")

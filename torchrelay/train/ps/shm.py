@@ -2,7 +2,7 @@
 
 Contract:
 - ``shm_enabled()`` — whether this process may offer shared memory: Linux ``memfd_create``
-  with sealing exists and ``TORCHRELAY_PS_SHM`` is not ``0`` (set it to force plain TCP).
+  with sealing exists and ``RELAY_PS_SHM`` is not ``0`` (set it to force plain TCP).
 - ``WorkerRegion.create(nbytes)`` (worker) — one sealed memfd laid out as
   ``[nonce page | params | grads]``; ``.params`` / ``.grads`` are uint8 tensors of ``nbytes``
   each, mapped shared, zeroed. ``.attach_payload()`` is the ATTACH message body naming it.
@@ -37,7 +37,7 @@ class ShmDeclined(Exception):
 
 def shm_enabled() -> bool:
     return (hasattr(os, "memfd_create") and bool(_REQUIRED_SEALS)
-            and os.environ.get("TORCHRELAY_PS_SHM", "1") != "0")
+            and os.environ.get("RELAY_PS_SHM", "1") != "0")
 
 
 def same_host(sock: socket.socket) -> bool:
