@@ -19,7 +19,7 @@ import httpx
 from torchrelay.client.bundle import pack_dir
 from torchrelay.errors import RelayError, ServerUnavailable, error_class
 from torchrelay.home import read_json, relay_home, server_file
-from torchrelay.spec import JobSpec, JobState
+from torchrelay.spec import JobSpec
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, MetricPoint,
                              NodeInfo, SubmitRequest)
 
@@ -230,7 +230,3 @@ def _login_name() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return "unknown"
-
-
-def is_terminal(state: JobState | str) -> bool:
-    return JobState(state).terminal
