@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "examples" / "digits"
 sys.path.insert(0, str(REPO))
+from _env import SERVER_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 
 def free_port() -> int:
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
+    versions = package_versions(SERVER_PACKAGES)
+    print(header_line(versions), flush=True)
     from torchrelay.client.cluster import start_cluster
     from torchrelay.client.sdk import RelayClient
 
@@ -100,8 +103,8 @@ def main() -> None:
     rs, js = statistics.median(raw_start), statistics.median(job_start)
     print(f"{'to first step (s)':24}{rs:14.3f}{js:16.3f}{js - rs:+14.3f}")
     print(f"steps measured: raw {len(raw_steps)}, job {len(job_steps)}; reps {args.reps}")
-    print("RESULT " + json.dumps({"step_time_ratio": round(job_med / raw_med, 4),
-                                  "start_overhead_s": round(js - rs, 3)}))
+    print(result_line({"step_time_ratio": round(job_med / raw_med, 4), "start_overhead_s": round(js - rs, 3)},
+                      versions))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_digits_as_a_job_on_two_ranks_reaches_095_and_saves_model_metrics_checkp
            "RELAY_STRATEGY": json.dumps({"kind": "ddp"}),
            "RELAY_CHECKPOINT": json.dumps({"every_steps": 40, "keep": 2})}
     result = run_torchrun(["train.py"], nproc=2, cwd=DIGITS, env=env)
-    # strict: shutdown() must spare a finished DDP job the gloo abort at exit (DESIGN §6)
+    # strict: shutdown() must spare a finished DDP job the gloo abort at exit (docs/design.md, exit-time abort)
     assert result.returncode == 0, result.stdout[-3000:]
 
     accuracy = float(re.search(r"^test_accuracy=([0-9.]+)$", result.stdout, re.M).group(1))
