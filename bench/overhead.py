@@ -7,11 +7,11 @@ Both write the same per-step metrics (``RELAY_METRICS_DIR`` is set for raw torch
 
 Like with like: before timing, a probe script runs once on each side, the way the digits
 script runs (``rt.init()``, ``rt.prepare()``), and reports what decides a CPU step's speed:
-torch's intra- and inter-op threads, CPU affinity, niceness, the garbage collector's state,
-whether glibc malloc was tuned (``torchrelay/train/allocator.py``) and the environment
-variables that change threads or the allocator. The bench prints both and names the settings of
-sides that differ (``settings_differ`` in the RESULT), so a ratio that is not overhead alone
-says so.
+torch's intra- and inter-op threads, CPU affinity, cgroup, niceness (its own and its
+autogroup's), the garbage collector's state, whether glibc malloc was tuned
+(``torchrelay/train/allocator.py``) and the environment variables that change threads or the
+allocator. The bench prints both and names the settings the sides differ in
+(``settings_differ`` in the RESULT), so a ratio that is not overhead alone says so.
 
 Rows: per repetition and pooled, the median step time (``step_time_s`` reported by rank 0),
 and the time from launch (raw) or submit (job, bundle upload included) to the first finished
@@ -53,13 +53,20 @@ from torchrelay.train import allocator
 rt.init()
 model = torch.nn.Linear(4, 4)
 rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+def read(path):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 if int(os.environ.get("RANK", "0")) == 0:
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND", "KMP_AFFINITY", "LD_PRELOAD",
              "PYTHONMALLOC", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
              "TORCHRELAY_MALLOC_TUNE", "RELAY_MALLOC_TUNE")
     print("SETTINGS " + json.dumps({
         "torch_threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
-        "affinity": sorted(os.sched_getaffinity(0)), "nice": os.nice(0),
+        "affinity": sorted(os.sched_getaffinity(0)), "nice": os.nice(0), "cgroup": read("/proc/self/cgroup"),
+        "autogroup_nice": read("/proc/self/autogroup").rpartition(" nice ")[2],  # the group's name differs
         "gc": [gc.isenabled(), list(gc.get_threshold()), gc.get_freeze_count()],
         "malloc_tuned": getattr(allocator, "_applied", "unknown"),  # None: nothing asked for it
         "python": sys.executable, **{name: os.environ.get(name) for name in names}}), flush=True)
