@@ -3,11 +3,11 @@
 Contract: ``start_cluster`` starts each part in its own process session (so the part and
 everything it starts can be ended as one group), waits until the server answers and every
 agent registered, and records pids in ``<RELAY_HOME>/cluster.json``. Its server listens where
-the ``ListenPlan`` says (default: 127.0.0.1, a port the OS picks); an address given explicitly is
-tried first, so one that is not this machine's or is in use is refused (``Conflict``, naming who
-asked for it) before anything starts. ``stop_cluster`` ends
-them (SIGTERM to each group, SIGKILL after a grace) and is idempotent. Nothing is left
-running; nothing outside ``RELAY_HOME`` is touched.
+the ``ListenPlan`` says (default: 127.0.0.1, a port the OS picks); an address given explicitly
+is tried first, so one that is not this machine's or is in use is refused (``Conflict``,
+naming who asked for it) before anything starts. ``stop_cluster`` ends them (SIGTERM to each
+group, SIGKILL after a grace) and is idempotent. Nothing is left running; nothing outside
+``RELAY_HOME`` is touched.
 """
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the
 ``torchrelay.errors`` (``NotFound``, ``InvalidSpec``…); no server answering raises
 ``ServerUnavailable`` saying where it looked, where the address came from (and, when
 ``RELAY_ADDRESS`` and the server ``RELAY_HOME`` records disagree, both) and how to start one.
-Methods block for at most
-their ``wait``/``timeout`` arguments plus one HTTP round trip.
+Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip.
 """
 from __future__ import annotations
 
