@@ -25,7 +25,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("strategy", ['{"kind": "local_sgd", "every": 4}', '{"kind": "final_average"}'])
 def test_train_script_runs_under_torchrun_with_a_strategy(tmp_path, strategy):
     spec = importlib.util.spec_from_file_location("charlm_data_torchrun", CHARLM / "data.py")
-    data = importlib.util.module_from_spec(spec)
+    data = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up there
     spec.loader.exec_module(data)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(data.stdlib_text(), encoding="utf-8")  # a text that ships with Python
