@@ -16,7 +16,6 @@ Prints rows, then ``RESULT {json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -32,6 +31,7 @@ from torchrelay import wire  # noqa: E402
 from torchrelay.agent import launcher  # noqa: E402
 from torchrelay.agent.launcher import Launch, pick_free_port  # noqa: E402
 from torchrelay.agent.zygote import Zygote  # noqa: E402
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 
 def _children_cpu() -> float:
@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=20, help="direct launches per entrypoint")
     parser.add_argument("--torchrun-launches", type=int, default=3, help="torchrun launches per entrypoint")
     args = parser.parse_args()
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
     rows = {}
     zygote = Zygote(env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -128,7 +130,7 @@ def main() -> None:
         "hosted_script_cpu_ms": {way: round(total(rows[("python noop.py", way)]), 1) for way in c},
         "loadavg_1m": round(load[0], 2),
     }
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ on a shared disk is often the fairer figure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 CHUNK = 8 << 20
 WIDTH = 2560
@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp folder next to the repo)")
     args = parser.parse_args()
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=REPO.parent))
     os.environ["RELAY_OUTPUT_DIR"] = str(scratch / "job")
@@ -251,7 +253,7 @@ def main() -> None:
     result = {"save_vs_raw_write": round(save_vs_raw, 3), "async_block_ratio": round(block_ratio, 4),
               "save_vs_raw_write_best_rounds": round(best_vs_raw, 3),
               "state_mb": round(nbytes / 1e6), "raw_write_gb_s": round(nbytes / raw_s / 1e9, 2)}
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

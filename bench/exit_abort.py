@@ -23,7 +23,6 @@ Ends with ``RESULT {"runs": N, "plain_failed": .., "plain_aborted_ranks": ..,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from torchrelay import wire
 from torchrelay.agent.launcher import Launch, pick_free_port
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line
 
 DDP_SCRIPT = '''
 import torch
@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--forced-runs", type=int, default=5,
                         help="launches per side of the same script with a forced abort at exit (default 5)")
     args = parser.parse_args()
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
     if args.runs < 0 or args.forced_runs < 0:
         parser.error(f"--runs {args.runs} / --forced-runs {args.forced_runs}: give counts >= 0")
     with tempfile.TemporaryDirectory(prefix="relay-exit-abort-") as tmp:
@@ -139,8 +141,8 @@ def main() -> None:
         (workdir / "ddp_forced.py").write_text(DDP_SCRIPT + FORCED_SUFFIX)
         natural = compare(workdir, "ddp.py", args.runs, "natural")
         forced = compare(workdir, "ddp_forced.py", args.forced_runs, "forced")
-    print("RESULT " + json.dumps({"runs": args.runs, **natural, "forced_runs": args.forced_runs,
-                                  **{f"forced_{k}": v for k, v in forced.items()}}))
+    print(result_line({"runs": args.runs, **natural, "forced_runs": args.forced_runs,
+                       **{f"forced_{k}": v for k, v in forced.items()}}, versions))
 
 
 if __name__ == "__main__":

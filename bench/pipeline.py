@@ -2,7 +2,8 @@
 
 (a) speedup_2x8: a balanced MLP, 2 stages × 8 micro-batches, one thread per stage, against
     the same model in one process with one thread on the same 8 micro-batches with gradient
-    accumulation (DESIGN §6: micro-batches are not free, so the baseline micro-batches too).
+    accumulation (docs/design.md, micro-batches on CPU: they are not free, so the baseline
+    micro-batches too).
     Rows for our lean 1F1B and GPipe and for torch.distributed.pipelining's 1F1B and GPipe.
 (b) auto_vs_equal, auto_vs_best: the char transformer with a large embedding and head
     (``LM``: vocabulary 22528, width 128, 10 layers, 4 × 32 tokens per micro-batch; 12
@@ -60,6 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 MLP = dict(width=512, depth=8, microbatch=32, microbatches=8)
 LM = dict(vocab=22528, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
@@ -333,6 +335,8 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.steps = 2, 2
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
     with tempfile.TemporaryDirectory() as out_dir:
         res = _launch(args, out_dir)
     med = res["medians"]
@@ -461,7 +465,7 @@ def main() -> None:
     print(f"(d) planning 100 blocks onto 8 stages: {plan_s * 1e3:.2f} ms")
     result["plan_s_100x8"] = round(plan_s, 4)
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

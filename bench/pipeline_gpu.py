@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 LM = dict(vocab=16384, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
 STEPS = 10
@@ -155,6 +156,8 @@ def main() -> None:
     if len(sys.argv) > 1:
         _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
         return
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
     with tempfile.TemporaryDirectory() as out_dir:
         nccl_failure = _launch("nccl_same_gpu", out_dir, timeout=60)
         mixed_failure = _launch("mixed", out_dir, timeout=600)
@@ -181,12 +184,12 @@ def main() -> None:
             or [line for line in lines if "rror" in line]
         print("two NCCL ranks on one GPU: refused: "
               + (errors[-1] if errors else nccl_failure.strip().splitlines()[-1]).strip())
-    print("RESULT " + json.dumps({
+    print(result_line({
         "auto_vs_equal_mixed": round(r0["equal_s"] / r0["auto_s"], 3),
         "auto_vs_cpu_alone": round(r0["cpu_alone_s"] / r0["auto_s"], 3),
         "auto_cut": r0["plan"]["stages"][1]["blocks"][0],
         "nccl_two_ranks_one_gpu": nccl_failure is None,
-    }))
+    }, versions))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ import torch.distributed.rpc
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _env import SERVER_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 MB100 = 100 * 2**20
 N_TENSORS = 4
@@ -478,6 +479,8 @@ def main() -> None:
     if args.child:
         {"ps": child_ps, "ddp": child_ddp, "rpc": child_rpc, "tcp": child_tcp_echo}[args.child]()
         return
+    versions = package_versions(SERVER_PACKAGES)
+    print(header_line(versions), flush=True)
 
     med = statistics.median
     gbps = lambda seconds: 2 * MB100 / seconds / 1e9  # noqa: E731  (push + pull bytes)
@@ -503,7 +506,7 @@ def main() -> None:
               "raw_tcp_ms": round(raw * 1e3, 1), "ps_ms": round(ours * 1e3, 1), "ps_tcp_ms": round(ours_tcp * 1e3, 1)}
     if args.only == "a":
         print(f"  load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
-        print("RESULT " + json.dumps(part_a))
+        print(result_line(part_a, versions))
         return
     rpc, rpc_lean = med(times["rpc"]), med(times["rpc_lean"])
     print(f"  torch RPC PS, tutorial (TensorPipe)    {rpc * 1e3:8.1f} ms  {gbps(rpc):5.2f} GB/s")
@@ -513,7 +516,7 @@ def main() -> None:
               "rpc_lean_ms": round(rpc_lean * 1e3, 1)}
     print(f"  load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
     if args.only == "ab":
-        print("RESULT " + json.dumps({**part_a, **part_b}))
+        print(result_line({**part_a, **part_b}, versions))
         return
     sgd = {"name": "sgd", "lr": 0.01}
 
@@ -540,7 +543,7 @@ def main() -> None:
     result = {**part_a, **part_b, "sync_vs_ddp_step": ratio(sync, ddp),
               "async_samples_ratio": ratio(samples["async"], samples["sync"]),
               "ssp_samples_ratio": ratio(samples["ssp"], samples["sync"])}
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

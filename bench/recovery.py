@@ -23,7 +23,6 @@ Last line: ``RESULT {"recovery_s_median", "steps_lost_max", "checkpoint_interval
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import statistics
@@ -39,6 +38,7 @@ import chaos  # noqa: E402
 from torchrelay.client.cluster import start_cluster, stop_cluster  # noqa: E402
 from torchrelay.client.sdk import RelayClient  # noqa: E402
 from torchrelay.spec import JobSpec  # noqa: E402
+from _env import SERVER_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 JOBS = REPO / "tests" / "jobs" / "ft"
 
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.1, help="seconds per step beyond the compute")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill steps")
     args = ap.parse_args()
+    versions = package_versions(SERVER_PACKAGES)
+    print(header_line(versions), flush=True)
     rng = random.Random(args.seed)
     epochs = 2 + args.kills  # enough steps for every kill to land mid-run
     home = Path(tempfile.mkdtemp(prefix="relay-bench-recovery-"))
@@ -143,7 +145,7 @@ def main() -> None:
     for key, label in (("restarting", "kill→RESTARTING (s)"), ("launched", "kill→attempt running"),
                        ("restored", "kill→checkpoint loaded")):
         print(f"{label:>22}{result['phase_medians_s'][key]!s:>10}")
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

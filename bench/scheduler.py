@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchrelay.scheduler import Allocation, SchedulerInput, schedule  # noqa: E402
 from torchrelay.scheduler.fifo import schedule_fifo  # noqa: E402
 from torchrelay.scheduler.simulate import mixed_cluster, mixed_trace, random_job, simulate  # noqa: E402
+from _env import SERVER_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 
 def _apply(decisions, running: dict, queue: dict, jobs: dict, now: float, rng: random.Random) -> None:
@@ -340,6 +341,8 @@ def main() -> None:
     parser.add_argument("--skip-c", action="store_true", help="skip part (c)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    versions = package_versions(SERVER_PACKAGES)
+    print(header_line(versions), flush=True)
     result = {"cycle_ms_median": None, "submits_per_s": None, "noop_jobs_per_s": None,
               "utilisation_vs_fifo": None, "mean_wait_vs_fifo": None}
     if not args.skip_a:
@@ -350,7 +353,7 @@ def main() -> None:
         print("(b) not run: pass --server-part to measure the real server over HTTP")
     if not args.skip_c:
         result.update(part_c(args.trace_nodes, args.trace_jobs, args.trace_gap, args.seed))
-    print("RESULT " + json.dumps(result))
+    print(result_line(result, versions))
 
 
 if __name__ == "__main__":

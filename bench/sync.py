@@ -14,7 +14,11 @@ noise hits all alike.
 Bytes per step are what our ``SyncOptimizer.metrics()`` counted at the collectives; for the
 PyTorch reference they are computed from its averaging schedule (marked "est.").
 
-    .venv/bin/python bench/sync.py [--data ../shared/data/tinyshakespeare.txt] [--steps 256]
+    .venv/bin/python bench/sync.py [--text FILE] [--steps 256]
+
+The text is the standard library's own sources and documentation topics (``stdlib_text()`` in
+examples/charlm/data.py, about 1.2 MB, shipped with every Python); ``--text FILE`` learns any
+other UTF-8 text instead, e.g. a larger corpus.
 
 Ends with ``RESULT {"bytes_ratio_h16": local_sgd H=16 bytes/step × 16 / ddp bytes/step,
 "loss_gap_h16": (local_sgd16 - ddp) / ddp, "loss_gap_vs_torch_postlocalsgd": (local_sgd16 -
@@ -31,17 +35,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHARLM = REPO / "examples" / "charlm"
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 WORLD = 2
 RUNS = ["ddp", "local_sgd_h4", "local_sgd_h16", "diloco_h16", "torch_postlocalsgd_h16"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--text", "--data", dest="text", default=None,
+                        help="UTF-8 text to learn (default: Python's own sources, see the module docstring)")
     parser.add_argument("--steps", type=int, default=256, help="optimizer steps per worker (a multiple of 16)")
     parser.add_argument("--batch-size", type=int, default=16, help="windows per worker per step")
     parser.add_argument("--context", type=int, default=64)
@@ -84,13 +89,13 @@ def worker(rank: int, port: int, args: argparse.Namespace, outdir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-    from data import CharCorpus
+    from data import CharCorpus, stdlib_text
     from model import CharLM, CharLMConfig, lm_loss
     from torchrelay.train import sync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    corpus = CharCorpus.from_file(args.data)
+    corpus = CharCorpus.from_file(args.text) if args.text else CharCorpus.from_text(stdlib_text())
     cfg = CharLMConfig(vocab_size=corpus.vocab_size, context=args.context)
     val = corpus.val_batches(batch_size=args.batch_size, context=args.context, batches=args.val_batches)
     results = {}
@@ -132,7 +137,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, outdir: str) -> None:
         gc.collect()
     if rank == 0:
         Path(outdir, "results.json").write_text(json.dumps(results))
-    gc.collect()  # DESIGN.md section 6: collect DDP's reducer before destroying the group
+    gc.collect()  # DDP's reducer before the group goes (docs/design.md, exit-time abort)
     dist.destroy_process_group()
 
 
@@ -149,8 +154,11 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not Path(args.data).is_file():
-        raise SystemExit(f"--data {args.data!r} is not a file; the benchmark uses ../shared/data/tinyshakespeare.txt")
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions), flush=True)
+    if args.text and not Path(args.text).is_file():
+        raise SystemExit(f"--text {args.text!r} is not a file; give a UTF-8 text, or leave --text out to learn "
+                         "Python's own sources")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(REPO))
     import torch.multiprocessing as mp
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(Path(outdir, "results.json").read_text())
 
     tokens = args.steps * args.batch_size * args.context * WORLD
+    print(f"text: {args.text or 'the standard library (examples/charlm/data.py stdlib_text)'}")
     print(f"char LM, {WORLD} workers, {args.steps} steps × {args.batch_size}×{args.context} tokens per worker "
           f"({tokens:,} tokens), model {results['ddp']['param_bytes']:,} bytes, seed {args.seed}")
     print(f"{'run':<24}{'bytes/step':>14}{'val loss':>10}{'wall s':>9}")
@@ -183,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         "loss_gap_h16": round((local16["val_loss"] - ddp["val_loss"]) / ddp["val_loss"], 4),
         "loss_gap_vs_torch_postlocalsgd": round((local16["val_loss"] - reference["val_loss"]) / reference["val_loss"], 4),
         "diloco_loss_gap_h16": round((diloco16["val_loss"] - ddp["val_loss"]) / ddp["val_loss"], 4),
+        "text": args.text or "stdlib",
     }
-    print("RESULT " + json.dumps(summary))
+    print(result_line(summary, versions))
 
 
 if __name__ == "__main__":

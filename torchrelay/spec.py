@@ -1,9 +1,9 @@
 """Job specs, resources, strategies and job states: pure data, no I/O.
 
 Contract:
-- ``JobSpec.from_yaml_text`` / ``JobSpec.model_validate`` accept what DESIGN.md section 3
-  shows and refuse anything else with ``InvalidSpec`` naming the field and the value
-  (unknown keys included).
+- ``JobSpec.from_yaml_text`` / ``JobSpec.parse`` accept the fields of ``JobSpec`` (README.md,
+  "The job spec", shows them) and refuse anything else with ``InvalidSpec`` naming the field
+  and the value; an unknown key, or one that was dropped (``queue``), is refused by name.
 - ``JobState`` and ``TRANSITIONS`` are the one table of legal job state changes;
   ``check_transition`` is what the server calls before every change.
 - ``parse_memory`` turns "2GiB", "512MB", "1.5G" or an int into bytes.
@@ -193,7 +193,6 @@ class JobSpec(_Strict):
     priority: int = 0
     env: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
-    queue: str = "default"
     preemptible: bool = True
     max_runtime_s: float | None = Field(default=None, gt=0)
     labels: dict[str, str] = Field(default_factory=dict, description="node labels required")

@@ -4,9 +4,12 @@
 characters; the first 90% is training text, the rest validation. ``train_batch(step, rank)``
 is a pure function of (seed, step, rank): every run, restart or strategy sees the same
 windows, and ranks see different ones. ``val_batches`` are fixed, evenly spaced windows.
+``stdlib_text()`` is a text every Python installation ships (the standard library's own
+sources and documentation topics, about 1.2 MB): what the benchmarks and tests learn.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +37,7 @@ class CharCorpus:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"--data {str(path)!r} is not a file; give a UTF-8 text file, "
-                                    "e.g. ../shared/data/tinyshakespeare.txt")
+                                    "e.g. one of Python's own sources")
         return cls.from_text(path.read_text(encoding="utf-8"), val_fraction)
 
     @property
@@ -62,3 +65,19 @@ def _windows(ids: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[tor
     offsets = torch.arange(context + 1)
     rows = ids[starts[:, None] + offsets]
     return rows[:, :-1], rows[:, 1:]
+
+
+# The documentation topics (English prose) and four large pure-Python modules
+STDLIB_TEXT_MODULES = ("pydoc_data.topics", "argparse", "inspect", "typing", "difflib")
+
+
+def stdlib_text(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> str:
+    """The source files of ``modules``, concatenated: text that ships with Python. Raises
+    ``FileNotFoundError`` naming a module whose source this installation lacks."""
+    parts = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise FileNotFoundError(f"the standard library's {name!r} has no source file here; give --data FILE")
+        parts.append(Path(spec.origin).read_text(encoding="utf-8"))
+    return "\n".join(parts)

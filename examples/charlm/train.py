@@ -8,7 +8,8 @@ loss (and the strategy's bytes_sent / divergence) every step and val_loss every
 ``--eval-every`` steps, checkpoints per the job's policy and resumes from the newest
 checkpoint, and ends with the line ``final val_loss=…``.
 
-The benchmarks use ``--data ../shared/data/tinyshakespeare.txt`` (from the repo root).
+Any UTF-8 text works; ``bench/sync.py`` and the tests use Python's own sources
+(``data.stdlib_text()``), which every installation has.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ CHARLM = Path(__file__).resolve().parents[2] / "examples" / "charlm"
 def test_pipeline_job_runs_and_status_shows_its_plan(cluster_factory, tmp_path):
     import inspect
 
-    text = inspect.getsource(json) * 3  # a text that ships with Python (DESIGN §5)
+    text = inspect.getsource(json) * 3  # a text that ships with Python
     work = tmp_path / "charlm"
     work.mkdir()
     for name in ("data.py", "model.py", "train_pipeline.py"):

@@ -28,6 +28,7 @@ def test_design_example_parses():
 
 @pytest.mark.parametrize("text, needle", [
     ("entrypoint: a\nfoo: 1", "unknown key 'foo'"),
+    ("entrypoint: a\nqueue: default", "unknown key 'queue'"),  # accepted once, never read: dropped
     ("workers: 2", "entrypoint: Field required"),
     ("entrypoint: ''", "entrypoint is empty"),
     ("entrypoint: 'python \"unterminated'", "not a valid command line"),

@@ -2,21 +2,29 @@
 
 Contract: ``start_cluster`` starts each part in its own process session (so the part and
 everything it starts can be ended as one group), waits until the server answers and every
-agent registered, and records pids in ``<RELAY_HOME>/cluster.json``. ``stop_cluster`` ends
-them (SIGTERM to each group, SIGKILL after a grace) and is idempotent. Nothing is left
-running; nothing outside ``RELAY_HOME`` is touched.
+agent registered, and records pids in ``<RELAY_HOME>/cluster.json``. Its server listens where
+the ``ListenPlan`` says (default: 127.0.0.1, a port the OS picks); an address given explicitly
+is tried first, so one that is not this machine's or is in use is refused (``Conflict``,
+naming who asked for it) before anything starts. ``stop_cluster`` ends them (SIGTERM to each
+group, SIGKILL after a grace) and is idempotent. Nothing is left running; nothing outside
+``RELAY_HOME`` is touched.
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchrelay.errors import ServerUnavailable
+import httpx
+
+from torchrelay.client.address import LOCAL_HOST, ListenPlan
+from torchrelay.client.sdk import RelayClient
+from torchrelay.errors import Conflict, ServerUnavailable
 from torchrelay.home import cluster_file, read_json, relay_home, server_file, write_json
 
 
@@ -67,24 +75,27 @@ class AgentOptions:
 
 def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
                   heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0,
-                  agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None) -> Cluster:
-    """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable.
+                  agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None,
+                  listen: ListenPlan = ListenPlan()) -> Cluster:
+    """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable,
+    and ``Conflict`` when the server cannot listen where ``listen`` says.
 
     ``agent_options[i]`` (if given) sets what agent i offers; it overrides ``agent_cpus``.
     ``quotas_file`` is passed to the server as ``--quotas``."""
     if agent_options is not None and len(agent_options) != agents:
         raise ValueError(f"agent_options has {len(agent_options)} entries for {agents} agents; give one per agent")
-    from torchrelay.client.sdk import RelayClient
-
     home = (home or relay_home()).resolve()
     home.mkdir(parents=True, exist_ok=True)
     existing = read_json(cluster_file(home))
     if existing and any(_alive(p) and _proc_start(p) in existing.get("starts", []) for p in existing.get("pids", [])):
         raise ServerUnavailable(f"an embedded cluster already runs from {home} (pids {existing['pids']}); "
                                 "`relay down` stops it, or set RELAY_HOME to another folder")
+    if listen.port or listen.host != LOCAL_HOST:
+        check_listenable(listen)
     server_file(home).unlink(missing_ok=True)
     cli = [sys.executable, "-m", "torchrelay.client.cli.main"]
-    server_argv = [*cli, "server", "--port", "0", "--heartbeat-timeout", str(heartbeat_timeout_s)]
+    server_argv = [*cli, "server", "--host", listen.host, "--port", str(listen.port),
+                   "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if quotas_file is not None:
         server_argv += ["--quotas", str(Path(quotas_file).resolve())]
     server = _spawn(server_argv, home, "server")
@@ -110,9 +121,21 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
     return Cluster(home=home, address=address, pids=pids)
 
 
-def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    import httpx
+def check_listenable(listen: ListenPlan) -> None:
+    """Raise ``Conflict`` (``ListenPlan.refusal``) unless a server could listen at ``listen``'s
+    address now: bound the way ``relay server`` binds, then released."""
+    family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server: TIME_WAIT is free
+        try:
+            sock.bind((listen.host, listen.port))
+        except socket.gaierror as exc:
+            raise Conflict(listen.refusal(None, str(exc))) from None
+        except OSError as exc:
+            raise Conflict(listen.refusal(exc.errno, exc.strerror or str(exc))) from None
 
+
+def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

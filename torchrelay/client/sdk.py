@@ -3,8 +3,9 @@
 Contract: the server address comes from the argument, else ``RELAY_ADDRESS``, else the
 running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the classes of
 ``torchrelay.errors`` (``NotFound``, ``InvalidSpec``…); no server answering raises
-``ServerUnavailable`` saying where it looked and how to start one. Methods block for at most
-their ``wait``/``timeout`` arguments plus one HTTP round trip.
+``ServerUnavailable`` saying where it looked, where the address came from (and, when
+``RELAY_ADDRESS`` and the server ``RELAY_HOME`` records disagree, both) and how to start one.
+Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip.
 """
 from __future__ import annotations
 
@@ -16,22 +17,29 @@ from typing import Any, Iterator
 
 import httpx
 
+from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
 from torchrelay.errors import RelayError, ServerUnavailable, error_class
 from torchrelay.home import read_json, relay_home, server_file
-from torchrelay.spec import JobSpec, JobState
+from torchrelay.spec import JobSpec
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, MetricPoint,
                              NodeInfo, SubmitRequest)
 
 
-def resolve_address(address: str | None = None) -> str | None:
-    """The server URL to use, or None when nothing names one."""
-    if address:
-        return address.rstrip("/")
-    if os.environ.get("RELAY_ADDRESS"):
-        return os.environ["RELAY_ADDRESS"].rstrip("/")
+def recorded_address() -> str | None:
+    """The address of the server that ``RELAY_HOME`` records (``server.json``), if any."""
     info = read_json(server_file(relay_home()))
     return info.get("address") if info else None
+
+
+def resolve_address(address: str | None = None) -> tuple[str, AddressSource] | None:
+    """The server URL to use and where it came from, or None when nothing names one."""
+    if address:
+        return address.rstrip("/"), AddressSource.ARGUMENT
+    if os.environ.get("RELAY_ADDRESS"):
+        return os.environ["RELAY_ADDRESS"].rstrip("/"), AddressSource.ENVIRONMENT
+    recorded = recorded_address()
+    return (recorded, AddressSource.HOME) if recorded else None
 
 
 class RelayClient:
@@ -44,7 +52,7 @@ class RelayClient:
                 f"no torchrelay server is named: RELAY_ADDRESS is unset and {server_file(relay_home())} "
                 "does not exist. Start one with `relay up` (embedded cluster) or `relay server`, "
                 "or set RELAY_ADDRESS=http://HOST:PORT")
-        self.address = resolved
+        self.address, self._source = resolved
         self.user = user or os.environ.get("RELAY_USER") or _login_name()
         self._http = httpx.Client(base_url=self.address + API_PREFIX, timeout=timeout,
                                   headers={"x-relay-user": self.user})
@@ -65,9 +73,9 @@ class RelayClient:
             extra = {"timeout": timeout} if timeout is not None else {}
             resp = self._http.request(method, path, **kw, **extra)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-            raise ServerUnavailable(
-                f"no torchrelay server answers at {self.address} ({type(exc).__name__}). Start one with "
-                "`relay up`, or point RELAY_ADDRESS at a running server") from None
+            raise ServerUnavailable(unreachable_message(
+                self.address, self._source, type(exc).__name__, home=str(relay_home()),
+                recorded=recorded_address())) from None
         if resp.status_code >= 400:
             try:
                 body = resp.json()
@@ -230,7 +238,3 @@ def _login_name() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return "unknown"
-
-
-def is_terminal(state: JobState | str) -> bool:
-    return JobState(state).terminal

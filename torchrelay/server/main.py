@@ -38,8 +38,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     bound_port = sock.getsockname()[1]
-    shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    address = f"http://{shown_host}:{bound_port}"
+    shown_host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
     service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas)
     service.public_url = address

@@ -28,7 +28,6 @@ class Output(str, enum.Enum):
 
 
 OutputOpt = typer.Option(Output.table, "--output", "-o", help="table (for people) or json (for scripts)")
-AddressOpt = typer.Option(None, "--address", envvar="RELAY_ADDRESS", help="server URL (default: the embedded cluster's)")
 
 
 def client(address: str | None = None):  # noqa: ANN201 - avoids importing httpx for --help

@@ -11,9 +11,11 @@ from torchrelay.client.cli.common import (OutputOpt, Output, ago, client, consol
 
 
 @handle_errors
-def ls(state: str = typer.Option(None, "--state", help="only these states, comma-separated"),
-       limit: int = typer.Option(50, "--limit", "-n"), output: Output = OutputOpt) -> None:
-    """List jobs, newest first; waiting jobs say why they wait."""
+def ls(state: str = typer.Option(None, "--state", help="only jobs in these states, comma-separated, "
+                                                         "e.g. QUEUED,RUNNING"),
+       limit: int = typer.Option(50, "--limit", "-n", min=1, max=10000, help="at most this many jobs, the newest"),
+       output: Output = OutputOpt) -> None:
+    """List jobs, newest first (in the table and in -o json alike); waiting jobs say why they wait."""
     with client() as c:
         jobs = c.jobs(state, limit)
     if output == Output.json:
