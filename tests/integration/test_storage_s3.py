@@ -23,7 +23,6 @@ from torchrelay.storage import ArtifactStore, EtagForm, Guarantee
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for services
 from services.ceph import CephCluster  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
 
 

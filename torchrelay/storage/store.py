@@ -69,12 +69,12 @@ class ArtifactStore:
     def check(self) -> None:
         """Prove the store answers and can be written (a scratch key is written and deleted).
         Blocks for a round trip or a few. Raises ``StorageError`` with the store's reason."""
-        with self._failures("use", CHECK_KEY, verb="is not usable"):
+        with self._failures("is not usable", CHECK_KEY, whole_store=True):
             self._backend.check(self.full_path(CHECK_KEY))
 
     def capabilities(self) -> Capabilities:
         """What ``put_if_absent`` and ``advance_fence`` guarantee here; an S3 store is probed once."""
-        with self._failures("probe", CHECK_KEY, verb="cannot be probed"):
+        with self._failures("cannot be probed", CHECK_KEY, whole_store=True):
             return self._backend.capabilities()
 
     # ------------------------------------------------------------ bytes and files
@@ -167,7 +167,7 @@ class ArtifactStore:
         key = keys.attempt_key(job_id)
         path = self.full_path(key)
         for _ in range(_FENCE_ROUNDS):
-            with self._failures("advance the fence at", key, verb="cannot advance the fence at"):
+            with self._failures("advance the fence at", key):
                 current = self._backend.read_versioned(path)
                 stored = parse_attempt(current.data if current else None)
                 step = fence_step(stored, attempt)
@@ -181,20 +181,20 @@ class ArtifactStore:
     # ------------------------------------------------------------ failures
 
     @contextlib.contextmanager
-    def _failures(self, action: str, key: str, *, verb: str | None = None) -> Iterator[None]:
-        """Turn the file system's errors into ``NotFound``/``StorageError`` naming ``key``'s URL."""
+    def _failures(self, action: str, key: str, *, whole_store: bool = False) -> Iterator[None]:
+        """Turn the file system's errors into ``NotFound``/``StorageError``: "cannot <action> <key's URL>",
+        or for ``whole_store`` "the store <URL> <action>" (and a missing path is no ``NotFound`` there)."""
         try:
             yield
         except FileNotFoundError as exc:
-            if _bucket_missing(exc):
-                raise self._error(action, key, exc, verb) from exc
-            raise NotFound(f"no artifact at {self.url_of(key)}") from None
+            if not (whole_store or _bucket_missing(exc)):
+                raise NotFound(f"no artifact at {self.url_of(key)}") from None
+            raise self._error(action, key, exc, whole_store) from exc
         except OSError as exc:
-            raise self._error(action, key, exc, verb) from exc
+            raise self._error(action, key, exc, whole_store) from exc
 
-    def _error(self, action: str, key: str, exc: BaseException, verb: str | None) -> StorageError:
-        where = self.url if key == CHECK_KEY else self.url_of(key)
-        said = f"the store {where} {verb}" if verb else f"cannot {action} {where}"
+    def _error(self, action: str, key: str, exc: BaseException, whole_store: bool) -> StorageError:
+        said = f"the store {self.url} {action}" if whole_store else f"cannot {action} {self.url_of(key)}"
         return StorageError(redact(f"{said}: {describe_os_error(exc)}", self._secrets))
 
 
