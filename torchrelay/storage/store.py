@@ -25,6 +25,7 @@ from typing import IO, Any, Iterator, Mapping
 
 from torchrelay.errors import NotFound, StaleAttempt, StorageError
 from torchrelay.storage import keys
+from torchrelay.storage.backend import temp_name
 from torchrelay.storage.conditional import Capabilities, FenceStep, fence_step, parse_attempt
 from torchrelay.storage.connect import open_store
 from torchrelay.storage.failures import client_error_of, describe_os_error, redact
@@ -101,7 +102,7 @@ class ArtifactStore:
 
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
         """Copy ``key`` to the local file ``local_path``, which appears whole or not at all."""
-        tmp = f"{os.fspath(local_path)}{keys.TEMP_MARK}{os.getpid()}"
+        tmp = temp_name(os.fspath(local_path))
         try:
             with self._failures("read", key), self.fs.open(self.full_path(key), "rb") as source, \
                     open(tmp, "wb") as out:
