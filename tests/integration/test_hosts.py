@@ -93,3 +93,17 @@ def test_gloo_across_hosts_needs_the_interface_of_the_advertised_address(hosts):
     pinned = lambda host: {**plain(host), "GLOO_SOCKET_IFNAME": host.ifname}  # noqa: E731
     out_head, out_peer = _all_reduce(hosts, pinned)
     assert "SUM 3.0" in out_head and "SUM 3.0" in out_peer, out_head + out_peer
+
+
+NETIF = r"""
+import sys
+from torchrelay.agent.netif import interface_addresses, interface_env, route_address
+print(interface_addresses().get("eth0"), route_address(f"http://{sys.argv[1]}:9"), interface_env(sys.argv[2]).get("GLOO_SOCKET_IFNAME"))
+"""
+
+
+def test_an_agent_host_finds_its_interface_and_the_address_that_routes_to_the_server(hosts):
+    server_host, agent_host = hosts.hosts
+    out = subprocess.run(["ip", "netns", "exec", agent_host.name, sys.executable, "-c", NETIF,
+                          server_host.address, agent_host.address], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [agent_host.address, agent_host.address, "eth0"], out.stdout + out.stderr
