@@ -59,15 +59,21 @@ def _int(value: str | None) -> int | None:
 
 
 def job_processes(job_id: str, attempt: int | None = None) -> list[JobProcess]:
-    """Live processes of ``job_id`` (torchrun, supervisors, scripts), optionally of one attempt."""
+    """Live processes of ``job_id`` (torchrun, supervisors, scripts), optionally of one attempt.
+
+    With ``RELAY_HOME`` set (the test's cluster), only processes launched under that home:
+    every cluster's first job is ``job-1``, and another test's must never be hit."""
     out = []
     me = os.getpid()
+    home = os.environ.get("RELAY_HOME")
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         pid = int(entry)
         env = _environ(pid)
         if not env or env.get("RELAY_JOB_ID") != job_id:
+            continue
+        if home and not env.get("RELAY_LAUNCH_DIR", "").startswith(home.rstrip("/") + "/"):
             continue
         stat = _ppid_and_state(pid)
         if stat is None or stat[1] == "Z":

@@ -107,6 +107,55 @@ def _stage_ranks(num_stages: int, replicas: int) -> list[list[int]]:
     return [[r * num_stages + k for k in range(num_stages)] for r in range(replicas)]
 
 
+def _resolve_strategy(strategy: PipelineStrategy | dict | None, ctx) -> PipelineStrategy:
+    """``strategy`` as given, else the job spec's (``ctx.strategy``) when it is a pipeline, else the default."""
+    if strategy is None and getattr(getattr(ctx, "strategy", None), "kind", None) == "pipeline":
+        return ctx.strategy  # the job spec's, through torchrelay.train.init()
+    if strategy is None:
+        return PipelineStrategy(kind="pipeline")
+    if isinstance(strategy, dict):
+        return PipelineStrategy.model_validate({"kind": "pipeline", **strategy})
+    return strategy
+
+
+def _process_groups(layout: list[list[int]], rank: int, stage: int) -> tuple:
+    """``(pipeline group, data-parallel group)`` of ``rank``; both None with one replica.
+
+    Collective: every rank must create every group, in the same order.
+    """
+    pp_group = dp_group = None
+    if len(layout) > 1:
+        for ranks in layout:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                pp_group = g
+        for k in range(len(layout[0])):
+            g = dist.new_group([replica[k] for replica in layout])
+            if k == stage:
+                dp_group = g
+    return pp_group, dp_group
+
+
+def _lean_runner(the_plan: Plan, own: dict[int, nn.Module], layout: list[list[int]], stage: int,
+                 replica: int, strategy: PipelineStrategy, loss_fn: Callable, device: torch.device,
+                 transport: str, pp_group, dp_group) -> LeanPipeline:
+    """This rank's stage on the lean runtime, connected to its neighbours. Collective with them."""
+    num_stages = len(layout[0])
+    first, stop = the_plan.stages[stage].first, the_plan.stages[stage].stop
+    module = nn.Sequential(*[own[i] for i in range(first, stop)])
+    prev_rank = layout[replica][stage - 1] if stage > 0 else None
+    next_rank = layout[replica][stage + 1] if stage < num_stages - 1 else None
+    if transport not in ("auto", "shm", "gloo"):
+        raise InvalidSpec(f"pipeline: transport {transport!r}; use 'auto', 'shm' or 'gloo'")
+    prev_channel, next_channel = connect_neighbours(
+        prev_rank, next_rank, enabled=transport != "gloo" and device.type == "cpu")
+    return LeanPipeline(
+        module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
+        loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
+        next_rank=next_rank, device=device, dp_group=dp_group, group=pp_group,
+        prev_channel=prev_channel, next_channel=next_channel)
+
+
 def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
             strategy: PipelineStrategy | dict | None = None, ctx=None, *,
             sample: torch.Tensor | None = None, sample_target: torch.Tensor | None = None,
@@ -137,12 +186,7 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     if not dist.is_initialized():
         raise InvalidSpec("pipeline: torch.distributed is not initialised; call "
                           "torchrelay.train.init() (or init_process_group) first")
-    if strategy is None and getattr(getattr(ctx, "strategy", None), "kind", None) == "pipeline":
-        strategy = ctx.strategy  # the job spec's, through torchrelay.train.init()
-    if strategy is None:
-        strategy = PipelineStrategy(kind="pipeline")
-    elif isinstance(strategy, dict):
-        strategy = PipelineStrategy.model_validate({"kind": "pipeline", **strategy})
+    strategy = _resolve_strategy(strategy, ctx)
     blocks = as_blocks(blocks)
     world, rank = dist.get_world_size(), dist.get_rank()
     replicas = strategy.replicas
@@ -172,19 +216,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                           sample_target, loss_fn, device, optimizer_factory, mem_cap_bytes, seed,
                           refine)
 
-    # Groups: every rank must create every group, in the same order.
     layout = _stage_ranks(num_stages, replicas)
-    pp_group = None
-    dp_group = None
-    if replicas > 1:
-        for ranks in layout:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                pp_group = g
-        for k in range(num_stages):
-            g = dist.new_group([layout[r][k] for r in range(replicas)])
-            if k == stage:
-                dp_group = g
+    pp_group, dp_group = _process_groups(layout, rank, stage)
 
     my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
     own: dict[int, nn.Module] = {}
@@ -195,22 +228,8 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                 else block.to(device)
 
     if runtime == "lean":
-        first, stop = the_plan.stages[stage].first, the_plan.stages[stage].stop
-        module = nn.Sequential(*[own[i] for i in range(first, stop)])
-        prev_rank = next_rank = None
-        if stage > 0:
-            prev_rank = layout[replica][stage - 1]
-        if stage < num_stages - 1:
-            next_rank = layout[replica][stage + 1]
-        if transport not in ("auto", "shm", "gloo"):
-            raise InvalidSpec(f"pipeline: transport {transport!r}; use 'auto', 'shm' or 'gloo'")
-        prev_channel, next_channel = connect_neighbours(
-            prev_rank, next_rank, enabled=transport != "gloo" and device.type == "cpu")
-        runner = LeanPipeline(
-            module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
-            loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
-            next_rank=next_rank, device=device, dp_group=dp_group, group=pp_group,
-            prev_channel=prev_channel, next_channel=next_channel)
+        runner = _lean_runner(the_plan, own, layout, stage, replica, strategy, loss_fn, device,
+                              transport, pp_group, dp_group)
     else:
         modules = [nn.Sequential(*[own[i] for i in the_plan.stages[ps].blocks])
                    for ps in my_plan_stages]
