@@ -17,9 +17,9 @@ def old_data_dir(path):
            "restart_reasons, last_metrics, requeue) VALUES (?, 't', ?, '{}', 0, 1.0, ?, ?, 0, '[]', '{}', 0)")
     db.execute(job, (1, "RUNNING", 12.0, 2))
     db.execute(job, (2, "QUEUED", None, 0))
-    events = [(1.0, "QUEUED", "submitted"), (10.0, "SCHEDULED", "placed on a×1"), (12.0, "RUNNING", "attempt 1 running"),
-              (50.0, "RESTARTING", "restart 1 of 1: x"), (55.0, "RESTARTING", "attempt 2 placed on a×1"),
-              (60.0, "RUNNING", "attempt 2 running")]
+    events = [(1.0, "QUEUED", "submitted"), (10.0, "SCHEDULED", "placed on a×1"),
+              (12.0, "RUNNING", "attempt 1 running"), (50.0, "RESTARTING", "restart 1 of 1: x"),
+              (55.0, "RESTARTING", "attempt 2 placed on a×1"), (60.0, "RUNNING", "attempt 2 running")]
     for time, state, message in events:
         db.execute("INSERT INTO job_events (job_seq, time, state, message) VALUES (1, ?, ?, ?)", (time, state, message))
     db.execute("INSERT INTO nodes (id, name, address, cpus, gpus, memory, labels, state, last_seen) "
