@@ -9,46 +9,36 @@ from torchrelay.spec import (LAUNCH_TRANSITIONS, NODE_TRANSITIONS, LaunchState, 
                              can_node_transition, check_launch_transition, check_node_transition)
 
 L, N = LaunchState, NodeState
-LAUNCH_LEGAL = [(L.PENDING, L.PREPARING), (L.PENDING, L.RUNNING), (L.PENDING, L.EXITED), (L.PREPARING, L.RUNNING),
-                (L.PREPARING, L.EXITED), (L.RUNNING, L.EXITED)]
-LAUNCH_ILLEGAL = [(L.RUNNING, L.PREPARING), (L.RUNNING, L.PENDING), (L.EXITED, L.RUNNING), (L.EXITED, L.PENDING),
-                  (L.PREPARING, L.PENDING), (L.RUNNING, L.RUNNING)]
-NODE_LEGAL = [(N.READY, N.LOST), (N.LOST, N.READY), (N.READY, N.DRAINING), (N.DRAINING, N.READY),
-              (N.DRAINING, N.LOST)]
-NODE_ILLEGAL = [(N.LOST, N.DRAINING), (N.READY, N.READY), (N.LOST, N.LOST)]
+LAUNCH = (can_launch_transition, check_launch_transition, "launch job-7-a1-n0")
+NODE = (can_node_transition, check_node_transition, "node node-9")
+# (which table, from, to, legal)
+CASES = [(LAUNCH, a, b, True) for a, b in [
+    (L.PENDING, L.PREPARING), (L.PENDING, L.RUNNING), (L.PENDING, L.EXITED), (L.PREPARING, L.RUNNING),
+    (L.PREPARING, L.EXITED), (L.RUNNING, L.EXITED)]]
+CASES += [(LAUNCH, a, b, False) for a, b in [
+    (L.RUNNING, L.PREPARING), (L.RUNNING, L.PENDING), (L.EXITED, L.RUNNING), (L.EXITED, L.PENDING),
+    (L.PREPARING, L.PENDING), (L.RUNNING, L.RUNNING)]]
+CASES += [(NODE, a, b, True) for a, b in [
+    (N.READY, N.LOST), (N.LOST, N.READY), (N.READY, N.DRAINING), (N.DRAINING, N.READY), (N.DRAINING, N.LOST)]]
+CASES += [(NODE, a, b, False) for a, b in [(N.LOST, N.DRAINING), (N.READY, N.READY), (N.LOST, N.LOST)]]
 
 
-@pytest.mark.parametrize("a, b", LAUNCH_LEGAL)
-def test_legal_launch_transitions(a, b):
-    assert can_launch_transition(a, b)
-    check_launch_transition("job-1-a1-n0", a, b)
-
-
-@pytest.mark.parametrize("a, b", LAUNCH_ILLEGAL)
-def test_illegal_launch_transitions_raise_naming_both_states(a, b):
-    assert not can_launch_transition(a, b)
-    with pytest.raises(Conflict) as err:
-        check_launch_transition("job-7-a1-n0", a, b)
-    assert "launch job-7-a1-n0" in str(err.value) and a.value in str(err.value) and b.value in str(err.value)
+@pytest.mark.parametrize("table, a, b, legal", CASES)
+def test_transitions_are_refused_naming_the_record_and_both_states(table, a, b, legal):
+    can, check, what = table
+    assert can(a, b) is legal
+    if legal:
+        check(what.split()[1], a, b)
+    else:
+        with pytest.raises(Conflict) as err:
+            check(what.split()[1], a, b)
+        assert what in str(err.value) and a.value in str(err.value) and b.value in str(err.value)
 
 
 def test_an_exited_launch_has_no_exit():
     assert not LAUNCH_TRANSITIONS[L.EXITED]
     with pytest.raises(Conflict, match="none \\(terminal\\)"):
         check_launch_transition("x", L.EXITED, L.RUNNING)
-
-
-@pytest.mark.parametrize("a, b", NODE_LEGAL)
-def test_legal_node_transitions(a, b):
-    assert can_node_transition(a, b)
-    check_node_transition("node-1", a, b)
-
-
-@pytest.mark.parametrize("a, b", NODE_ILLEGAL)
-def test_illegal_node_transitions_raise_naming_both_states(a, b):
-    with pytest.raises(Conflict) as err:
-        check_node_transition("node-9", a, b)
-    assert "node node-9" in str(err.value) and a.value in str(err.value) and b.value in str(err.value)
 
 
 def test_every_state_has_a_row_and_the_values_are_the_wire_strings():
