@@ -673,3 +673,19 @@ def test_servers_still_running_after_the_workers_exited_hold_their_node(svc):
     other = svc.submit(spec(workers=1, resources={"cpu": 3}), None, None)
     svc.tick()
     assert svc.get_job(other.id).state == JobState.QUEUED  # the server still holds 2 of 4 cpus
+
+
+def test_a_node_lost_in_a_tick_gets_nothing_in_that_tick(svc):
+    nodes = [add_node(svc, "a", cpus=1), add_node(svc, "b", cpus=1)]
+    first = svc.submit(spec(workers=1, max_restarts=1), None, None)
+    second = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    where = {launches_of(svc, n)[0].job_id: (n, launches_of(svc, n)[0].launch_id) for n in nodes}
+    (lost, _), (kept, kept_launch) = where[first.id], where[second.id]
+    for node, launch_id in where.values():
+        svc.launch_status(launch_id, LaunchStatus(state="running"))
+    svc.clock_ref.now += 11
+    svc.heartbeat(kept, Heartbeat(launches=[LaunchReport(launch_id=kept_launch, state="running")]))
+    svc.tick()  # the first job's node missed its heartbeats: its launch fails, the job restarts, the other is full
+    assert svc.get_job(first.id).state == JobState.RESTARTING
+    assert launches_of(svc, lost) == [] and [x.job_id for x in launches_of(svc, kept)] == [second.id]

@@ -346,7 +346,11 @@ class Rows:
     def nodes(self) -> NodeFacts:
         """Every node as the policy sees it (LOST ones are not ready, so a job that fits them
         waits for them instead of being called unschedulable), with names; cached."""
-        return self.cache.nodes(lambda: node_facts(self.conn))
+        def load() -> NodeFacts:
+            self.s.flush()  # a node this unit changed must be read as changed (Core reads do not autoflush)
+            return node_facts(self.conn)
+
+        return self.cache.nodes(load)
 
     def nodes_changed(self) -> None:
         self.cache.drop_nodes()
