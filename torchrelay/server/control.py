@@ -61,6 +61,10 @@ class Control:
         """Ask for a step soon. Does not block; any thread."""
         self._wake.set()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         """Run ``tick`` in a daemon thread until ``stop``. Idempotent."""
         if self._thread is None:

@@ -69,12 +69,12 @@ class Outbox:
 class Database:
     """The store's engine, sessions, writer lock and cache. ``kick``: wakes the control loop."""
 
-    def __init__(self, url: str, notifier: Notifier, clock: Callable[[], float], kick: Callable[[], None]):
+    def __init__(self, url: str, notifier: Notifier, kick: Callable[[], None]):
         self.engine = make_engine(url)
         self.sessions = make_sessionmaker(self.engine)
         self.lock = threading.RLock()
         self.cache = Cache()
-        self.notifier, self.clock, self._kick = notifier, clock, kick
+        self.notifier, self._kick = notifier, kick
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Rows]:
@@ -88,7 +88,7 @@ class Database:
             except BaseException:
                 self.cache.drop_nodes()  # node facts may have been read from rows rolled back
                 raise
-            self.deliver(outbox)
+            self._deliver(outbox)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Rows]:
@@ -96,7 +96,7 @@ class Database:
         with self.sessions() as s:
             yield Rows(s, self.cache, Outbox())
 
-    def deliver(self, outbox: Outbox) -> None:
+    def _deliver(self, outbox: Outbox) -> None:
         if outbox.nodes_changed:
             self.cache.drop_nodes()
         for key in outbox.keys:

@@ -53,7 +53,7 @@ class ClusterService:
         self.tick_s = tick_s
         self.clock = clock
         self.quotas = quotas or QuotaTable()
-        self.db = Database(db_url, self.notifier, clock, kick=lambda: self.control.kick())
+        self.db = Database(db_url, self.notifier, kick=lambda: self.control.kick())
         self.control = Control(self.db, self.store, quotas=self.quotas, heartbeat_timeout_s=heartbeat_timeout_s,
                                tick_s=tick_s, clock=clock)
         self.submissions = Submissions(self.db, self.store, clock)
@@ -69,6 +69,8 @@ class ClusterService:
 
         Every READY node gets a fresh heartbeat timeout first: after a server restart its
         agent needs that long to find the server again before the node counts as LOST."""
+        if self.control.started:
+            return
         with self.db.write() as rows:
             rows.refresh_nodes_seen(self.clock())
         self.control.start()

@@ -21,9 +21,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from torchrelay.server.views import job_id_of
 
-__all__ = ["Base", "JobRow", "EventRow", "NodeRow", "LaunchRow", "LogRow", "MetricRow", "CursorRow",
-           "make_engine", "make_sessionmaker", "job_id_of"]
-
 
 class Base(DeclarativeBase):
     pass
