@@ -135,7 +135,11 @@ class Rows:
 
     @property
     def conn(self) -> Any:
+        """The unit's connection, for Core reads (they do not flush the session: ``flush`` first)."""
         return self.s.connection()
+
+    def flush(self) -> None:
+        self.s.flush()
 
     # ------------------------------------------------------------ jobs
 

@@ -233,7 +233,7 @@ class ClusterService:
                     self.control.apply_status(rows, launch, report.status, now)
                 del held
                 if hb.statuses:
-                    rows.s.flush()  # the Core reads below do not autoflush
+                    rows.flush()  # the Core reads below do not autoflush
                 live = live_on_node(rows.conn, node_id)
                 forgotten = forgotten_launches([(x.id, LaunchState(x.state)) for x in live],
                                                {r.launch_id for r in hb.launches})
@@ -241,7 +241,7 @@ class ClusterService:
                     self.control.launch_exited(rows, rows.launch(launch_id), LaunchStatus(
                         state="exited", succeeded=False, message="the agent no longer runs this launch"), now)
                 if forgotten:
-                    rows.s.flush()
+                    rows.flush()
                     live = live_on_node(rows.conn, node_id)
                 launches = node_assignments(rows.conn, self.db.cache, node, live, self.store.url)
             # read once this unit's own changes are notified, and before any later change (the
