@@ -146,7 +146,7 @@ class Control:
             launches = rows.attempt_launches(row.seq, row.attempt)
         if not launches:
             return
-        decision = lifecycle.decide(rows.job_view(row), [rows.launch_view(x) for x in launches])
+        decision = lifecycle.decide(rows.job_view(row), rows.launch_views(launches))
         if decision is not lifecycle.NOTHING:
             self.apply(rows, row, decision, now)
 

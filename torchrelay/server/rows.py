@@ -156,7 +156,8 @@ class Rows:
 
     def facts(self, seq: int) -> JobFacts:
         """The job's facts; its spec column is read only when this process has not parsed it."""
-        return facts_of(self.conn, self.cache, seq)
+        facts = self.cache.jobs.get(seq)
+        return facts if facts is not None else facts_of(self.conn, self.cache, seq)
 
     def job_view(self, row: JobRow) -> JobView:
         hung = row.failure if row.hung_attempt == row.attempt else None
@@ -251,13 +252,13 @@ class Rows:
     def launch(self, launch_id: str) -> LaunchRow | None:
         return self.s.get(LaunchRow, launch_id)
 
-    def launch_view(self, launch: LaunchRow) -> LaunchView:
-        return LaunchView(
-            id=launch.id, attempt=launch.attempt, node_id=launch.node_id, node_rank=launch.node_rank,
-            state=LaunchState(launch.state), node_name=self.nodes().names.get(launch.node_id),
-            desired=launch.desired, stop_kind=StopKind(launch.stop_kind) if launch.stop_kind else None,
-            stop_reason=launch.stop_reason, succeeded=launch.succeeded, stopped=bool(launch.stopped),
-            infra=bool(launch.infra), message=launch.message or "", ranks=tuple(launch.ranks or ()))
+    def launch_views(self, launches: Iterable[LaunchRow]) -> list[LaunchView]:
+        names = self.nodes().names
+        return [LaunchView(
+            id=x.id, attempt=x.attempt, node_id=x.node_id, node_rank=x.node_rank, state=LaunchState(x.state),
+            node_name=names.get(x.node_id), desired=x.desired, stop_kind=StopKind(x.stop_kind) if x.stop_kind else None,
+            stop_reason=x.stop_reason, succeeded=x.succeeded, stopped=bool(x.stopped), infra=bool(x.infra),
+            message=x.message or "", ranks=tuple(x.ranks or ())) for x in launches]
 
     def stop_launches(self, row: JobRow, stop: Stop, *, no_grace: bool = False) -> None:
         """Tell the agents of the job's live launches to stop (those not told already);

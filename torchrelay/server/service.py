@@ -161,12 +161,13 @@ class ClusterService:
         its attempt runs, its progress clock (hang detection). Returns points added."""
         with self.db.write() as rows:
             row = rows.job(job_id)
-            added = telemetry.add_metrics(rows.s, row, batch)
-            if added:
+            fresh = telemetry.add_metrics(rows.s, row, batch)
+            if fresh:  # the job row changes after the read of its launches: one UPDATE at commit
                 if rows.live_launches(row):
                     row.last_progress_at = self.clock()
+                row.last_metrics = telemetry.last_metrics(row.last_metrics, fresh)
                 rows.outbox.keys.update((f"metrics:{row.seq}", f"job:{row.seq}"))
-        return added
+        return len(fresh)
 
     # ------------------------------------------------------------ bundles and artifacts
 

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from torchrelay.server.store import CursorRow, JobRow, LogRow, MetricRow
 from torchrelay.spec import JobState
-from torchrelay.wire import LogBatch, LogLine, LogPage, MetricBatch, MetricPage, MetricPoint
+from torchrelay.wire import LogBatch, LogLine, LogPage, MetricBatch, MetricPage, MetricPoint, MetricRecord
 
 
 def add_logs(s: Session, job: JobRow, batch: LogBatch) -> int:
@@ -28,17 +28,20 @@ def add_logs(s: Session, job: JobRow, batch: LogBatch) -> int:
     return len(fresh)
 
 
-def add_metrics(s: Session, job: JobRow, batch: MetricBatch) -> int:
-    """Store the batch's new points and update the job's last metrics (the lowest rank's newest
-    step). Returns points added."""
+def add_metrics(s: Session, job: JobRow, batch: MetricBatch) -> list[MetricRecord]:
+    """Store the batch's new points; returns them (``last_metrics`` makes the job's summary)."""
     fresh = _unseen(s, batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics")
     if fresh:
         s.execute(insert(MetricRow), [
             {"job_seq": job.seq, "launch_id": batch.launch_id, "rank": r.rank, "agent_seq": r.seq,
              "step": r.step, "time": r.time, "values": r.values} for r in fresh])
-        latest = min(fresh, key=lambda r: (r.rank, -r.step))
-        job.last_metrics = {**(job.last_metrics or {}), **latest.values, "step": latest.step, "time": latest.time}
-    return len(fresh)
+    return fresh
+
+
+def last_metrics(previous: dict[str, Any] | None, fresh: list[MetricRecord]) -> dict[str, Any]:
+    """The job's last metrics after ``fresh`` points (not empty): the lowest rank's newest step."""
+    latest = min(fresh, key=lambda r: (r.rank, -r.step))
+    return {**(previous or {}), **latest.values, "step": latest.step, "time": latest.time}
 
 
 def log_page(s: Session, job: JobRow, after: int, rank: int | None, limit: int) -> LogPage:
