@@ -369,7 +369,76 @@ def can_transition(current: JobState, target: JobState) -> bool:
 
 def check_transition(job_id: str, current: JobState, target: JobState) -> None:
     """Raise ``Conflict`` naming the job and both states unless current -> target is legal."""
-    if not can_transition(current, target):
-        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
-        raise Conflict(f"job {job_id} cannot go from {current.value} to {target.value}; "
+    _check_in(TRANSITIONS, f"job {job_id}", current, target)
+
+
+def _check_in(table: dict[Any, frozenset[Any]], what: str, current: enum.Enum, target: enum.Enum) -> None:
+    if target not in table[current]:
+        allowed = ", ".join(sorted(s.value for s in table[current])) or "none (terminal)"
+        raise Conflict(f"{what} cannot go from {current.value} to {target.value}; "
                        f"allowed from {current.value}: {allowed}")
+
+
+# ---------------------------------------------------------------- launch and node states
+# The server's own records beside the job's: like ``TRANSITIONS``, each table is the one list
+# of legal changes, and the server checks it before every change it writes.
+
+
+class LaunchState(str, enum.Enum):
+    """Life of one launch (one torchrun, or one worker started directly, on one node).
+
+    PENDING (placed, the agent has not reported it) -> PREPARING (fetching the bundle, starting)
+    -> RUNNING -> EXITED; any state but EXITED may go straight to EXITED, and PENDING straight
+    to RUNNING. A launch never moves back: an agent's report that would (a resend) is stale.
+    The values are the strings the agent reports (``wire.LaunchStatus.state``).
+    """
+
+    PENDING = "pending"
+    PREPARING = "preparing"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+_L = LaunchState
+LAUNCH_TRANSITIONS: dict[LaunchState, frozenset[LaunchState]] = {
+    _L.PENDING: frozenset({_L.PREPARING, _L.RUNNING, _L.EXITED}),
+    _L.PREPARING: frozenset({_L.RUNNING, _L.EXITED}),
+    _L.RUNNING: frozenset({_L.EXITED}),
+    _L.EXITED: frozenset(),
+}
+
+
+def can_launch_transition(current: LaunchState, target: LaunchState) -> bool:
+    return target in LAUNCH_TRANSITIONS[current]
+
+
+def check_launch_transition(launch_id: str, current: LaunchState, target: LaunchState) -> None:
+    """Raise ``Conflict`` naming the launch and both states unless current -> target is legal."""
+    _check_in(LAUNCH_TRANSITIONS, f"launch {launch_id}", current, target)
+
+
+class NodeState(str, enum.Enum):
+    """A node as the server sees it: READY (heartbeats arrive), LOST (they stopped; its launches
+    were failed, not counted against the job), DRAINING (gets nothing new). A LOST node that
+    heartbeats or registers again is READY. The values are ``wire.NodeInfo.state``'s."""
+
+    READY = "READY"
+    LOST = "LOST"
+    DRAINING = "DRAINING"
+
+
+_N = NodeState
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    _N.READY: frozenset({_N.LOST, _N.DRAINING}),
+    _N.LOST: frozenset({_N.READY}),
+    _N.DRAINING: frozenset({_N.READY, _N.LOST}),
+}
+
+
+def can_node_transition(current: NodeState, target: NodeState) -> bool:
+    return target in NODE_TRANSITIONS[current]
+
+
+def check_node_transition(node_id: str, current: NodeState, target: NodeState) -> None:
+    """Raise ``Conflict`` naming the node and both states unless current -> target is legal."""
+    _check_in(NODE_TRANSITIONS, f"node {node_id}", current, target)

@@ -64,7 +64,6 @@ class ServerThread:
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self.address = f"http://127.0.0.1:{self.port}"
-        self.service.public_url = self.address
         app = create_app(self.service)
         self.app = wrap(app) if wrap is not None else app  # wrap: an ASGI app around the server's
         config = uvicorn.Config(self.app, log_level="warning", access_log=False,

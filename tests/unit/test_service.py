@@ -3,8 +3,7 @@ import pytest
 
 from torchrelay.errors import NotFound, Unschedulable
 from torchrelay.server.service import ClusterService
-from torchrelay.server.store import LaunchRow
-from torchrelay.spec import JobState
+from torchrelay.spec import JobState, LaunchState
 from torchrelay.wire import Heartbeat, LaunchReport, LaunchStatus, LaunchStatusReport, LogBatch, LogRecord, \
     MetricBatch, MetricRecord, NodeRegistration, RankExit
 
@@ -458,7 +457,7 @@ def test_concurrent_submits_are_each_written_once_and_errors_stay_with_their_own
         stored = svc.get_job(info.id)
         assert stored.name == name == info.name and stored.state == JobState.QUEUED
         assert [e.message for e in stored.events] == ["submitted"]
-    assert svc.job_count() == 119
+    assert len(svc.list_jobs(limit=10000)) == 119  # and no row beside them
 
 
 def test_a_rank_that_never_ran_is_explained_by_the_launch_message(svc):
@@ -517,7 +516,7 @@ def test_async_submits_share_commits_and_each_gets_its_own_row_and_error(svc):
         assert stored.name == info.name == f"j{i}" and stored.state == JobState.QUEUED
         assert [e.message for e in stored.events] == ["submitted"]
     assert len(job_inserts) < 59  # batched: one multi-row INSERT per group of waiting requests
-    assert svc.job_count() == 59
+    assert len(svc.list_jobs(limit=10000)) == 59
 
 
 def test_job_list_shows_placements_like_a_single_job(svc):
@@ -590,8 +589,8 @@ def test_a_resent_status_never_moves_a_launch_back(svc):
     svc.heartbeat(n1, Heartbeat(launches=[LaunchReport(launch_id=lid, state="running")],
                                 statuses=[LaunchStatusReport(launch_id=lid, status=LaunchStatus(state="preparing"))]))
     svc.launch_status(lid, LaunchStatus(state="preparing"))  # the old endpoint: the same rule
-    with svc._sessions() as s:
-        assert s.get(LaunchRow, lid).state == "running"
+    with svc.db.read() as rows:
+        assert rows.launch(lid).state == LaunchState.RUNNING
     assert svc.get_job(job.id).state == JobState.RUNNING
     exit_launch(svc, lid)
     assert svc.get_job(job.id).state == JobState.SUCCEEDED
@@ -674,3 +673,19 @@ def test_servers_still_running_after_the_workers_exited_hold_their_node(svc):
     other = svc.submit(spec(workers=1, resources={"cpu": 3}), None, None)
     svc.tick()
     assert svc.get_job(other.id).state == JobState.QUEUED  # the server still holds 2 of 4 cpus
+
+
+def test_a_node_lost_in_a_tick_gets_nothing_in_that_tick(svc):
+    nodes = [add_node(svc, "a", cpus=1), add_node(svc, "b", cpus=1)]
+    first = svc.submit(spec(workers=1, max_restarts=1), None, None)
+    second = svc.submit(spec(workers=1), None, None)
+    svc.tick()
+    where = {launches_of(svc, n)[0].job_id: (n, launches_of(svc, n)[0].launch_id) for n in nodes}
+    (lost, _), (kept, kept_launch) = where[first.id], where[second.id]
+    for node, launch_id in where.values():
+        svc.launch_status(launch_id, LaunchStatus(state="running"))
+    svc.clock_ref.now += 11
+    svc.heartbeat(kept, Heartbeat(launches=[LaunchReport(launch_id=kept_launch, state="running")]))
+    svc.tick()  # the first job's node missed its heartbeats: its launch fails, the job restarts, the other is full
+    assert svc.get_job(first.id).state == JobState.RESTARTING
+    assert launches_of(svc, lost) == [] and [x.job_id for x in launches_of(svc, kept)] == [second.id]

@@ -1,13 +1,13 @@
-"""FastAPI app factory: the HTTP API of ``torchrelay.wire`` over a ``ClusterService``.
+"""FastAPI app factory: the HTTP API of ``torchrelay.wire`` over a ``ClusterService``. Routes only.
 
 ``create_app(service)`` builds the app; the service's background scheduler runs for the app's
-lifetime (started and stopped by the lifespan). Errors from ``torchrelay.errors`` become
-``{"error": ClassName, "detail": message}`` with the class's HTTP status. The OpenAPI document
-is served at ``/api/v1/openapi.json`` (docs UI at ``/api/v1/docs``).
+lifetime (started and stopped by the lifespan). Each route calls one service method (blocking
+ones in the thread pool) or one long-poll of ``longpoll``. Errors from ``torchrelay.errors``
+become ``{"error": ClassName, "detail": message}`` with the class's HTTP status. The OpenAPI
+document is served at ``/api/v1/openapi.json`` (docs UI at ``/api/v1/docs``).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 from typing import Any
@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
+from torchrelay.server import longpoll
 from torchrelay.server.service import ClusterService
-from torchrelay.storage import ArtifactStore
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus,
                              LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
                              SubmitRequest)
@@ -42,7 +42,18 @@ def create_app(service: ClusterService) -> FastAPI:
     app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
                   openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)
     app.state.service = service
+    _error_handlers(app)
+    for routes in (_bundle_routes, _job_routes, _agent_routes):
+        app.include_router(routes(service))
 
+    @app.get("/", include_in_schema=False)
+    def root() -> dict[str, str]:
+        return {"torchrelay": __version__, "api": API_PREFIX, "openapi": f"{API_PREFIX}/openapi.json"}
+
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RelayError)
     async def _relay_error(_request: Request, exc: RelayError) -> JSONResponse:
         return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=exc.http_status)
@@ -56,36 +67,35 @@ def create_app(service: ClusterService) -> FastAPI:
         return JSONResponse({"error": "InvalidSpec", "detail": "invalid request: " + "; ".join(parts)},
                             status_code=422)
 
+
+def _bundle_routes(svc: ClusterService) -> APIRouter:
     api = APIRouter(prefix=API_PREFIX)
-    svc = service
 
     @api.get("/health")
     def health() -> dict[str, Any]:
         return {"ok": True, "version": __version__}
 
-    # ------------------------------------------------------------ bundles
-
     @api.post("/bundles", response_model=BundleRef, status_code=201)
     async def upload_bundle(request: Request) -> BundleRef:
         data = await request.body()
         digest = hashlib.sha256(data).hexdigest()
-        key = ArtifactStore.bundle_key(digest)
-        if not await run_in_threadpool(svc.store.exists, key):
-            await run_in_threadpool(svc.store.put_bytes, key, data)
+        await run_in_threadpool(svc.put_bundle, digest, data)
         return BundleRef(digest=digest, size=len(data))
 
     @api.head("/bundles/{digest}")
     def has_bundle(digest: str) -> Response:
-        if not svc.store.exists(ArtifactStore.bundle_key(digest)):
-            return Response(status_code=404)
-        return Response(status_code=200)
+        return Response(status_code=200 if svc.has_bundle(digest) else 404)
 
     @api.get("/bundles/{digest}")
     def get_bundle(digest: str) -> Response:
-        data = svc.store.get_bytes(ArtifactStore.bundle_key(digest))
-        return Response(content=data, media_type="application/gzip")
+        return Response(content=svc.bundle(digest), media_type="application/gzip")
 
-    # ------------------------------------------------------------ jobs
+    return api
+
+
+def _job_routes(svc: ClusterService) -> APIRouter:
+    """What clients call about jobs (and the nodes' list)."""
+    api = APIRouter(prefix=API_PREFIX)
 
     @api.post("/jobs", response_model=JobInfo, status_code=201)
     async def submit(body: SubmitRequest, request: Request) -> Response:
@@ -112,13 +122,7 @@ def create_app(service: ClusterService) -> FastAPI:
     async def get_job(job_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S),
                       known_state: str | None = None) -> JobInfo:
         """With ``wait`` and ``known_state``: long-poll until the state differs or time passes."""
-        info = await run_in_threadpool(svc.get_job, job_id)
-        if wait and known_state == info.state.value:
-            seq = int(info.id.removeprefix("job-"))
-            version = svc.notifier.version(f"job:{seq}")
-            await svc.notifier.wait(f"job:{seq}", version, wait)
-            info = await run_in_threadpool(svc.get_job, job_id)
-        return info
+        return await longpoll.job(svc, job_id, wait, known_state)
 
     @api.post("/jobs/{job_id}/cancel", response_model=JobInfo)
     def cancel(job_id: str, checkpoint: bool = True) -> JobInfo:
@@ -128,26 +132,14 @@ def create_app(service: ClusterService) -> FastAPI:
     @api.get("/jobs/{job_id}/logs", response_model=LogPage)
     async def get_logs(job_id: str, after: int = Query(0, ge=0), rank: int | None = None,
                        wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> LogPage:
-        return await _follow("logs", job_id, wait, lambda: svc.logs(job_id, after, rank),
-                             lambda page: bool(page.lines))
+        return await longpoll.follow(svc, "logs", job_id, wait, lambda: svc.logs(job_id, after, rank),
+                                     lambda page: bool(page.lines))
 
     @api.get("/jobs/{job_id}/metrics", response_model=MetricPage)
     async def get_metrics(job_id: str, after: int = Query(0, ge=0),
                           wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> MetricPage:
-        return await _follow("metrics", job_id, wait, lambda: svc.metrics(job_id, after),
-                             lambda page: bool(page.points))
-
-    async def _follow(kind: str, job_id: str, wait: float, fetch, has_news):  # noqa: ANN001, ANN202
-        seq, _ = await run_in_threadpool(svc.job_state, job_id)
-        key = f"{kind}:{seq}"
-        version = svc.notifier.version(key)
-        page = await run_in_threadpool(fetch)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while not has_news(page) and not page.job_state.terminal and loop.time() < deadline:
-            version = await svc.notifier.wait(key, version, deadline - loop.time())
-            page = await run_in_threadpool(fetch)
-        return page
+        return await longpoll.follow(svc, "metrics", job_id, wait, lambda: svc.metrics(job_id, after),
+                                     lambda page: bool(page.points))
 
     @api.get("/jobs/{job_id}/artifacts", response_model=list[ArtifactInfo])
     def list_artifacts(job_id: str) -> list[ArtifactInfo]:
@@ -155,21 +147,22 @@ def create_app(service: ClusterService) -> FastAPI:
 
     @api.get("/jobs/{job_id}/artifacts/{path:path}")
     def get_artifact(job_id: str, path: str) -> Response:
-        data = svc.store.get_bytes(svc.artifact_key(job_id, path))
-        return Response(content=data, media_type="application/octet-stream")
+        return Response(content=svc.artifact(job_id, path), media_type="application/octet-stream")
 
     @api.put("/jobs/{job_id}/artifacts/{path:path}", response_model=ArtifactInfo)
     async def put_artifact(job_id: str, path: str, request: Request) -> ArtifactInfo:
-        key = await run_in_threadpool(svc.artifact_key, job_id, path)
-        data = await request.body()
-        await run_in_threadpool(svc.store.put_bytes, key, data)
-        return ArtifactInfo(path=path, size=len(data))
-
-    # ------------------------------------------------------------ nodes and agents
+        return await run_in_threadpool(svc.put_artifact, job_id, path, await request.body())
 
     @api.get("/nodes", response_model=list[NodeInfo])
     def list_nodes() -> list[NodeInfo]:
         return svc.list_nodes()
+
+    return api
+
+
+def _agent_routes(svc: ClusterService) -> APIRouter:
+    """What agents call: registration, heartbeats, launch statuses, logs and metrics."""
+    api = APIRouter(prefix=API_PREFIX)
 
     @api.post("/nodes/register", response_model=RegisterReply)
     def register(body: NodeRegistration) -> RegisterReply:
@@ -177,16 +170,7 @@ def create_app(service: ClusterService) -> FastAPI:
 
     @api.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatReply)
     async def heartbeat(node_id: str, body: Heartbeat) -> HeartbeatReply:
-        reply = await run_in_threadpool(svc.heartbeat, node_id, body)
-        # a node is seen at the start of its heartbeat: keep the wait well inside the timeout
-        wait = min(body.wait_s, svc.heartbeat_timeout_s / 3)
-        if wait and reply.version == body.known_version:
-            await svc.notifier.wait(f"node:{node_id}", reply.version, wait)
-            await run_in_threadpool(svc.touch, node_id)
-            taken = reply.statuses_taken  # the statuses were applied before the wait
-            reply = await run_in_threadpool(svc.desired, node_id)
-            reply.statuses_taken = taken
-        return reply
+        return await longpoll.heartbeat(svc, node_id, body)
 
     @api.post("/launches/{launch_id}/status")
     def launch_status(launch_id: str, body: LaunchStatus) -> dict[str, bool]:
@@ -201,10 +185,4 @@ def create_app(service: ClusterService) -> FastAPI:
     def post_metrics(job_id: str, body: MetricBatch) -> dict[str, Any]:
         return {"ok": True, "added": svc.ingest_metrics(job_id, body)}
 
-    app.include_router(api)
-
-    @app.get("/", include_in_schema=False)
-    def root() -> dict[str, str]:
-        return {"torchrelay": __version__, "api": API_PREFIX, "openapi": f"{API_PREFIX}/openapi.json"}
-
-    return app
+    return api

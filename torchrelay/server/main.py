@@ -42,7 +42,6 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
     service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas)
-    service.public_url = address
     app = create_app(service)
     write_json(server_file(home), {"address": address, "pid": os.getpid()})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))

@@ -18,7 +18,6 @@ class Notifier:
         self._base = int(time.time() * 1000) * 1000
         self._versions: dict[str, int] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
-        self._listeners: list[threading.Event] = []
 
     def version(self, key: str) -> int:
         with self._lock:

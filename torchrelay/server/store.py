@@ -2,16 +2,24 @@
 
 Everything the server knows lives here, so a server killed and started again loses nothing.
 SQLite (WAL, busy timeout) is the embedded default; any SQLAlchemy URL works (PostgreSQL for
-several hosts). This module only maps rows; the rules live in ``service.py``.
+several hosts). This module only maps the tables and opens the database; ``rows.py`` reads and
+writes them, and the rules live in the decision modules (``lifecycle``, ``failures``,
+``watchdogs``).
+
+``make_engine`` creates missing tables, and adds a column a newer server defines to a table an
+older server created (``ALTER TABLE … ADD COLUMN``, idempotent; see ``_add_missing_columns``), so
+an existing data dir keeps working.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine,
-                        event)
+                        event, inspect, text)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from torchrelay.server.views import job_id_of
 
 
 class Base(DeclarativeBase):
@@ -42,6 +50,8 @@ class JobRow(Base):
     # server time of the last metric of the current attempt (hang detection)
     last_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     hung_attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # server time the current attempt was placed: what max_runtime_s counts from
+    placed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     @property
     def id(self) -> str:
@@ -90,6 +100,8 @@ class LaunchRow(Base):
     memory: Mapped[int] = mapped_column(Integer, default=0)
     desired: Mapped[str] = mapped_column(String(8), default="run")
     stop_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # why the server asked it to stop: a ``torchrelay.server.views.StopKind`` value
+    stop_kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
     state: Mapped[str] = mapped_column(String(16), default="pending")
     master_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     ranks: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -139,16 +151,6 @@ class CursorRow(Base):
     last_seq: Mapped[int] = mapped_column(Integer)
 
 
-def job_id_of(seq: int) -> str:
-    return f"job-{seq}"
-
-
-def job_seq_of(job_id: str) -> int | None:
-    """``job-12`` or ``12`` -> 12; anything else -> None."""
-    text = job_id.removeprefix("job-")
-    return int(text) if text.isdigit() else None
-
-
 def make_engine(url: str) -> Engine:
     """Engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys. Creates tables."""
     is_sqlite = url.startswith("sqlite")
@@ -164,7 +166,38 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
     Base.metadata.create_all(engine)
+    _add_missing_columns(engine)
     return engine
+
+
+# what a column added to an existing table starts as, where NULL would lose what older rows knew
+_BACKFILLS = {
+    # an older server found the attempt's placement in the job's events: the latest event of the
+    # states an attempt is placed in (SCHEDULED, or RESTARTING for a restart) is that moment
+    ("jobs", "placed_at"): "UPDATE jobs SET placed_at = COALESCE((SELECT MAX(e.time) FROM job_events e "
+                           "WHERE e.job_seq = jobs.seq AND e.state IN ('SCHEDULED', 'RESTARTING')), "
+                           "started_at, submitted_at) WHERE attempt > 0",
+    # an older server marked a max_runtime_s stop by the reason's wording alone
+    ("launches", "stop_kind"): "UPDATE launches SET stop_kind = 'runtime' "
+                               "WHERE stop_reason LIKE 'ran past max_runtime_s%'",
+}
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Add every mapped column an existing table lacks (all are nullable), then fill it in from
+    what the older rows hold (``_BACKFILLS``). Idempotent: a column that exists is left alone."""
+    with engine.begin() as conn:
+        inspector = inspect(conn)
+        for table in Base.metadata.sorted_tables:
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in present:
+                    continue
+                kind = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                backfill = _BACKFILLS.get((table.name, column.name))
+                if backfill:
+                    conn.execute(text(backfill))
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:

@@ -1,0 +1,144 @@
+"""A job's launches: how a placement becomes launches, and what each launch's agent is told. Pure.
+
+- ``plan_launches(job_id, attempt, placement, layout)``: one ``LaunchPlan`` per role and node,
+  with its ranks, in the rank layout of ``torchrelay.layout`` (workers ``0..W-1`` first, then a
+  parameter-server job's servers ``W..W+S-1``), which the worker side reads back.
+- ``WorkerEnvironment``: the ``RELAY_*`` variables a launch's workers get, as typed fields
+  (what the spec asks, the rank layout, the accelerators granted) rendered by ``variables``.
+- ``launch_assignment(...)``: the ``wire.LaunchAssignment`` of one launch in a heartbeat reply.
+
+GPU *counts* are granted here; which device indices a launch uses is the agent's choice on its
+node (``torchrelay.agent.gpus``). No I/O: ``rows.py`` reads the rows these take.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+from torchrelay import scheduler as policy
+from torchrelay.layout import RankLayout
+from torchrelay.spec import CheckpointPolicy, JobSpec, Strategy
+from torchrelay.storage import ArtifactStore
+from torchrelay.wire import LaunchAssignment
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """One launch (one torchrun) of an attempt: ``nproc`` processes with global ranks
+    ``rank_offset .. rank_offset + nproc - 1``, each granted ``shape``."""
+
+    id: str
+    node_id: str
+    node_rank: int
+    nnodes: int
+    nproc: int
+    rank_offset: int
+    world_size: int
+    shape: policy.WorkerShape
+
+
+def launch_id_of(job_id: str, attempt: int, node_rank: int) -> str:
+    return f"{job_id}-a{attempt}-n{node_rank}"
+
+
+def plan_launches(job_id: str, attempt: int, placement: policy.Placement, layout: RankLayout) -> tuple[LaunchPlan, ...]:
+    """The launches of a placement: the workers' first, then each role's, one per node, so that
+    ranks follow ``node_rank`` and match ``layout``; a node with workers and servers runs two
+    launches. Raises ``ValueError`` when the placement does not hold the layout's world."""
+    where = [(placement.shape, node_id, nproc) for node_id, nproc in placement.placement]
+    where += [(shape, node_id, nproc) for _, shape, nodes in placement.roles for node_id, nproc in nodes]
+    world = sum(nproc for _, _, nproc in where)
+    workers = sum(nproc for _, nproc in placement.placement)
+    if (workers, world) != (layout.workers, layout.world_size):
+        raise ValueError(f"job {job_id}: the placement holds {workers} workers of {world} processes, the rank "
+                         f"layout {layout.workers} of {layout.world_size}")
+    plans, offset = [], 0
+    for node_rank, (shape, node_id, nproc) in enumerate(where):
+        plans.append(LaunchPlan(id=launch_id_of(job_id, attempt, node_rank), node_id=node_id, node_rank=node_rank,
+                                nnodes=len(where), nproc=nproc, rank_offset=offset, world_size=world, shape=shape))
+        offset += nproc
+    return tuple(plans)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerEnvironment:
+    """What a launch's workers are told beside torchrun's RANK etc.: the job's ``env``, then
+    RELAY_STRATEGY and RELAY_CHECKPOINT (JSON), RELAY_JOB_NAME, RELAY_WORKERS (the layout's
+    worker ranks), RELAY_ACCELERATOR (``gpu`` or ``cpu``: what was granted, which for
+    accelerator "prefer" may be CPUs although GPUs were asked for), RELAY_GPUS_PER_WORKER and,
+    with GPUs, RELAY_GPU_TYPE (the node's)."""
+
+    job_name: str
+    layout: RankLayout
+    strategy: Strategy
+    checkpoint: CheckpointPolicy
+    user_env: Mapping[str, str]
+    gpus_per_worker: int = 0
+    gpu_type: str | None = None
+
+    @classmethod
+    def of_spec(cls, spec: JobSpec) -> WorkerEnvironment:
+        """The environment of ``spec``'s launches before accelerators are granted."""
+        return cls(job_name=spec.name, layout=RankLayout.of_spec(spec), strategy=spec.strategy,
+                   checkpoint=spec.checkpoint, user_env=spec.env)
+
+    def granted(self, gpus_per_worker: int, node_gpu_type: str | None) -> WorkerEnvironment:
+        return dataclasses.replace(self, gpus_per_worker=gpus_per_worker,
+                                   gpu_type=node_gpu_type if gpus_per_worker else None)
+
+    @property
+    def accelerator(self) -> str:
+        return "gpu" if self.gpus_per_worker else "cpu"
+
+    def job_variables(self) -> dict[str, str]:
+        """The variables that only depend on the job's spec (the same for each of its launches)."""
+        env = dict(self.user_env)
+        env["RELAY_STRATEGY"] = json.dumps(self.strategy.model_dump(mode="json"))
+        env["RELAY_CHECKPOINT"] = json.dumps(self.checkpoint.model_dump(mode="json", by_alias=True))
+        env["RELAY_JOB_NAME"] = self.job_name
+        env["RELAY_WORKERS"] = str(self.layout.workers)
+        return env
+
+    def variables(self, job_variables: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Every variable; ``job_variables``: ``self.job_variables()`` computed before (kept per job)."""
+        env = dict(self.job_variables() if job_variables is None else job_variables)
+        env["RELAY_ACCELERATOR"] = self.accelerator
+        env["RELAY_GPUS_PER_WORKER"] = str(self.gpus_per_worker)
+        if self.gpu_type:
+            env["RELAY_GPU_TYPE"] = self.gpu_type
+        return env
+
+
+class AssignedLaunch(Protocol):
+    """The launch columns an assignment is built from (the rows ``rows.py`` reads have them)."""
+
+    id: str
+    job_seq: int
+    attempt: int
+    node_rank: int
+    nnodes: int
+    nproc: int
+    rank_offset: int
+    world_size: int
+    desired: str
+    stop_reason: str | None
+    stop_grace_s: float | None
+    bundle: str | None
+
+
+def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], env: dict[str, str],
+                      spec_stop_grace_s: float, master: tuple[str | None, int | None],
+                      store_url: str) -> LaunchAssignment:
+    """``launch`` as its agent is told of it. ``master``: the address of the attempt's node 0
+    and the port it reported (None until then); ``stop_grace_s`` is the launch's own when a stop
+    set one (``relay cancel --no-checkpoint``: 0), else the spec's."""
+    return LaunchAssignment(
+        launch_id=launch.id, job_id=job_id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
+        stop_reason=launch.stop_reason,
+        stop_grace_s=spec_stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s,
+        node_rank=launch.node_rank, nnodes=launch.nnodes, nproc_per_node=launch.nproc,
+        world_size=launch.world_size, rank_offset=launch.rank_offset, master_addr=master[0], master_port=master[1],
+        entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url,
+        job_store_prefix=ArtifactStore.job_prefix(job_id))

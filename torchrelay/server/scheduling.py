@@ -1,0 +1,136 @@
+"""The server's jobs as the scheduling policy sees them, and its decisions as people read them. Pure.
+
+- ``queued_job(seq, spec)``: a waiting job as a ``scheduler.QueuedJob``; ``job_roles(spec)``:
+  its processes besides the workers (a parameter-server job's servers);
+- ``allocation(...)``: a job holding nodes, from its live launches, as a ``scheduler.Allocation``;
+- ``placement_summary(...)``: the "placed on a×2, b×2" text of a placement's event;
+- ``never_fits_message(spec, nodes)``: why a submission is refused as unschedulable;
+- ``queue_rows(...)``: ``relay queue``'s rows from one cycle's decisions.
+
+No I/O: ``rows.py`` reads what these take and ``control.py`` carries out the decisions.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+from torchrelay import scheduler as policy
+from torchrelay.layout import RankLayout
+from torchrelay.server.views import job_id_of
+from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, Resources
+
+# the jobs a cycle reads: those waiting and those holding (or about to hold) nodes
+SCHEDULER_STATES = (JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING, JobState.RESTARTING,
+                    JobState.CANCELLING)
+
+
+def worker_shape(res: Resources) -> policy.WorkerShape:
+    return policy.WorkerShape(cpu=res.cpu, gpu=res.gpu, memory=res.memory, gpu_type=res.gpu_type,
+                              accelerator=res.accelerator_mode)
+
+
+def job_roles(spec: JobSpec) -> tuple[tuple[str, int, policy.WorkerShape], ...]:
+    """The job's processes besides its workers, as the policy places them: a parameter-server
+    job's servers with their own resources (ranks after the workers': ``torchrelay.layout``)."""
+    if isinstance(spec.strategy, ParameterServerStrategy):
+        return (("server", spec.strategy.servers, worker_shape(spec.strategy.server_resources)),)
+    return ()
+
+
+def queued_job(seq: int, spec: JobSpec) -> policy.QueuedJob:
+    """What the policy is told of a waiting job: it never changes while the job waits."""
+    return policy.QueuedJob(
+        job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, submit_seq=seq,
+        workers=spec.workers, shape=worker_shape(spec.resources),
+        workers_per_node=spec.workers_per_node if spec.nodes else None, nodes=spec.nodes,
+        labels=tuple(sorted(spec.labels.items())), preemptible=spec.preemptible,
+        max_runtime_s=spec.max_runtime_s, roles=job_roles(spec))
+
+
+class LiveLaunch(Protocol):
+    """A launch that has not exited, with what the policy granted each of its processes (the
+    rows ``rows.py`` reads have these attributes)."""
+
+    node_id: str
+    nproc: int
+    rank_offset: int
+    cpu: float
+    gpu: int
+    memory: int
+
+
+def _granted(launch: LiveLaunch, gpu_type: str | None) -> policy.WorkerShape:
+    return policy.WorkerShape(cpu=launch.cpu, gpu=launch.gpu, memory=launch.memory,
+                              gpu_type=gpu_type if launch.gpu else None,
+                              accelerator="required" if launch.gpu else "none")
+
+
+def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_at: float,
+               preempting: bool) -> policy.Allocation:
+    """A job holding nodes (``live``: its current attempt's launches, not empty). A
+    parameter-server job's server launches are those whose ranks the layout gives its servers."""
+    layout = RankLayout.of_spec(spec)
+    workers = [x for x in live if not layout.is_server(x.rank_offset)]
+    servers = [x for x in live if layout.is_server(x.rank_offset)]
+    roles: tuple = ()
+    if servers:
+        server_gpu_type = (spec.strategy.server_resources.gpu_type
+                           if isinstance(spec.strategy, ParameterServerStrategy) else None)
+        roles = (("server", _granted(servers[0], server_gpu_type), tuple((x.node_id, x.nproc) for x in servers)),)
+    return policy.Allocation(
+        job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority,
+        shape=_granted((workers or list(live))[0], spec.resources.gpu_type),
+        placement=tuple((x.node_id, x.nproc) for x in workers), preemptible=spec.preemptible,
+        started_at=started_at, max_runtime_s=spec.max_runtime_s, preempting=preempting, roles=roles)
+
+
+def placement_summary(placement: policy.Placement, spec: JobSpec, names: Mapping[str, str],
+                      gpu_types: Mapping[str, str | None]) -> str:
+    """Where a placement puts the job, e.g. ``a×2, b×2 (1 a100 per worker); servers on c×1``."""
+    text = ", ".join(f"{names[n]}×{k}" for n, k in placement.placement)
+    granted = placement.shape
+    if granted.gpu:
+        kinds = sorted({gpu_types.get(n) or "gpu" for n, _ in placement.placement})
+        text += f" ({granted.gpu} {'/'.join(kinds)} per worker)"
+    elif spec.resources.accelerator_mode == "prefer":
+        text += " (on CPUs: the gang did not fit on accelerators)"
+    for role, _, where in placement.roles:
+        text += f"; {role}s on " + ", ".join(f"{names[n]}×{k}" for n, k in where)
+    return text
+
+
+def never_fits_message(spec: JobSpec, nodes: Sequence[policy.NodeView]) -> str:
+    res = spec.resources
+    servers = "".join(f" and {count} {name}s × (cpu={shape.cpu:g}, gpu={shape.gpu}, memory={shape.memory})"
+                      for name, count, shape in job_roles(spec))
+    return (f"job {spec.name!r} can never run here: it needs {spec.workers} workers × "
+            f"(cpu={res.cpu:g}, gpu={res.gpu}, memory={res.memory}){servers} but the cluster's "
+            f"{len(nodes)} ready node(s) hold cpus={sum(n.cpus for n in nodes):g}, "
+            f"gpus={sum(n.gpus for n in nodes)}, memory={sum(n.memory for n in nodes)} in all; "
+            f"lower `workers` or the per-worker `resources`, or add nodes")
+
+
+class WaitingJob(Protocol):
+    """A waiting job's row fields ``relay queue`` shows (the rows ``rows.py`` reads have them)."""
+
+    name: str
+    user: str | None
+    state: str
+    submitted_at: float
+
+
+def queue_rows(decisions: policy.Decisions, queue: Sequence[policy.QueuedJob],
+               waiting: Mapping[str, tuple[WaitingJob, JobSpec]]) -> list[dict[str, Any]]:
+    """The waiting jobs (``queue``, with their rows and specs in ``waiting``) in the order the
+    policy considers them, each with why it waits and, where declared max runtimes allow, its
+    estimated start."""
+    placed = {p.job_id for p in decisions.placements}
+    order = list(decisions.order) or [q.job_id for q in queue]
+    out = []
+    for position, job_id in enumerate(order, 1):
+        row, spec = waiting[job_id]
+        out.append({"position": position, "id": job_id, "name": row.name, "user": row.user,
+                    "priority": spec.priority, "workers": RankLayout.of_spec(spec).world_size,
+                    "state": row.state, "submitted_at": row.submitted_at, "max_runtime_s": spec.max_runtime_s,
+                    "reason": "starting" if job_id in placed else decisions.waiting.get(job_id, ""),
+                    "estimated_start": decisions.estimated_start.get(job_id)})
+    return out

@@ -1,0 +1,77 @@
+"""A job's log lines and metric points: storing what agents ship, and the pages clients read.
+
+The rows of ``logs``, ``metrics`` and ``ingest_cursors`` are read and written here only (the
+job, launch and node rows in ``rows.py``). Agents may resend a batch (a lost reply): each
+record carries the agent's sequence number per (launch, rank, stream) and a cursor per key
+keeps the highest stored, so a resend adds nothing. Every function runs inside the caller's
+unit of work (``rows.Database``) and changes nothing outside it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session
+
+from torchrelay.server.store import CursorRow, JobRow, LogRow, MetricRow
+from torchrelay.spec import JobState
+from torchrelay.wire import LogBatch, LogLine, LogPage, MetricBatch, MetricPage, MetricPoint, MetricRecord
+
+
+def add_logs(s: Session, job: JobRow, batch: LogBatch) -> int:
+    """Store the batch's new records (one bulk INSERT: ingest runs on the workers' cores). Returns rows added."""
+    fresh = _unseen(s, batch.records, lambda r: f"{batch.launch_id}/{r.rank}/{r.stream}")
+    if fresh:
+        s.execute(insert(LogRow), [
+            {"job_seq": job.seq, "launch_id": batch.launch_id, "attempt": r.attempt, "rank": r.rank,
+             "stream": r.stream, "agent_seq": r.seq, "text": r.text} for r in fresh])
+    return len(fresh)
+
+
+def add_metrics(s: Session, job: JobRow, batch: MetricBatch) -> list[MetricRecord]:
+    """Store the batch's new points; returns them (``last_metrics`` makes the job's summary)."""
+    fresh = _unseen(s, batch.records, lambda r: f"{batch.launch_id}/{r.rank}/metrics")
+    if fresh:
+        s.execute(insert(MetricRow), [
+            {"job_seq": job.seq, "launch_id": batch.launch_id, "rank": r.rank, "agent_seq": r.seq,
+             "step": r.step, "time": r.time, "values": r.values} for r in fresh])
+    return fresh
+
+
+def last_metrics(previous: dict[str, Any] | None, fresh: list[MetricRecord]) -> dict[str, Any]:
+    """The job's last metrics after ``fresh`` points (not empty): the lowest rank's newest step."""
+    latest = min(fresh, key=lambda r: (r.rank, -r.step))
+    return {**(previous or {}), **latest.values, "step": latest.step, "time": latest.time}
+
+
+def log_page(s: Session, job: JobRow, after: int, rank: int | None, limit: int) -> LogPage:
+    q = select(LogRow).where(LogRow.job_seq == job.seq, LogRow.id > after)
+    if rank is not None:
+        q = q.where(LogRow.rank == rank)
+    lines = list(s.scalars(q.order_by(LogRow.id).limit(limit)))
+    out = [LogLine(seq=x.id, rank=x.rank, attempt=x.attempt, stream=x.stream, text=x.text) for x in lines]
+    return LogPage(lines=out, next_after=lines[-1].id if lines else after, job_state=JobState(job.state))
+
+
+def metric_page(s: Session, job: JobRow, after: int, limit: int) -> MetricPage:
+    q = select(MetricRow).where(MetricRow.job_seq == job.seq, MetricRow.id > after).order_by(MetricRow.id).limit(limit)
+    pts = list(s.scalars(q))
+    out = [MetricPoint(seq=p.id, rank=p.rank, step=p.step, time=p.time, values=p.values) for p in pts]
+    return MetricPage(points=out, next_after=pts[-1].id if pts else after, job_state=JobState(job.state))
+
+
+def _unseen(s: Session, records: Iterable[Any], key_of: Callable[[Any], str]) -> list:
+    """The records newer than what was stored before for their key, in sequence order;
+    advances each key's cursor."""
+    groups: dict[str, list] = {}
+    for record in records:
+        groups.setdefault(key_of(record), []).append(record)
+    out = []
+    for key, group in groups.items():
+        cursor = s.get(CursorRow, key) or CursorRow(key=key, last_seq=-1)
+        fresh = [r for r in sorted(group, key=lambda r: r.seq) if r.seq > cursor.last_seq]
+        if fresh:
+            cursor.last_seq = fresh[-1].seq
+            s.merge(cursor)
+            out += fresh
+    return out
