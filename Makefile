@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench venv clean
+.PHONY: demo test test-all bench venv clean services
 
 venv: $(STAMP)
 
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[test,examples]'
+	$(BIN)/pip install -q -e '.[test,examples,s3,postgres]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +26,11 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+
+# Debian packages of the services the tests start (Ceph, PostgreSQL); a no-op when present.
+# The fixtures install them too when missing; CI runs this first so no test pays for it.
+services:
+	-bash tests/services/install.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -177,6 +177,10 @@ class CheckpointPolicy(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+# Spec fields that were accepted once and are gone: refused in new specs, dropped from stored ones.
+RETIRED_KEYS = frozenset({"queue"})
+
+
 class JobSpec(_Strict):
     """A job as submitted. ``workers`` is the total; ``nodes`` × ``workers_per_node`` pins the shape."""
 
@@ -250,6 +254,15 @@ class JobSpec(_Strict):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise InvalidSpec(describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_stored(cls, data: Any) -> "JobSpec":
+        """A spec as a server stored it, perhaps under an older version: keys that were retired
+        since (``RETIRED_KEYS``) are dropped, so a data dir kept across an upgrade still loads.
+        Raises ``InvalidSpec`` as ``parse`` does for anything else."""
+        if isinstance(data, dict) and RETIRED_KEYS.intersection(data):
+            data = {k: v for k, v in data.items() if k not in RETIRED_KEYS}
+        return cls.parse(data)
 
     @classmethod
     def from_yaml_text(cls, text: str, overrides: list[str] | None = None) -> "JobSpec":

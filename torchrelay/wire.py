@@ -23,15 +23,14 @@ Agents
   POST   /nodes/{id}/heartbeat         Heartbeat                     -> HeartbeatReply
          Long-poll: answers at once when the desired launches differ from what the agent
          reported, otherwise waits up to ``Heartbeat.wait_s`` for a change.
-  POST   /launches/{launch_id}/status  LaunchStatus                  -> {"ok": true}
   POST   /jobs/{id}/logs               LogBatch                      -> {"ok": true}
   POST   /jobs/{id}/metrics            MetricBatch                   -> {"ok": true}
   PUT    /jobs/{id}/artifacts/{path}   raw bytes                     -> ArtifactInfo
 
 The agent side is declarative: the heartbeat reply lists every launch the server wants on
 that node (``LaunchAssignment``, with ``desired`` = "run" or "stop"); the agent makes it so
-and reports each launch's status changes in its next heartbeat (``Heartbeat.statuses``) or
-through ``/launches/{id}/status`` (the same rules; older agents use only this). Re-sending a status
+and reports each launch's status changes in its next heartbeat (``Heartbeat.statuses``), the one
+path statuses take (a heartbeat with ``wait_s=0`` carries them while a long poll is open). Re-sending a status
 or a log/metric batch with the same sequence numbers is harmless (idempotent by
 ``(launch_id, rank, seq)``).
 """
@@ -219,8 +218,8 @@ class Heartbeat(_Model):
     wait_s: float = Field(default=0.0, ge=0, le=60)
     known_version: int = Field(default=-1, description="version of the last reply the agent acted on")
     statuses: list[LaunchStatusReport] = Field(
-        default_factory=list, description="status changes not yet delivered, oldest first; applied before the "
-        "reply is built, with the same rules (and idempotence) as POST /launches/{id}/status")
+        default_factory=list, description="status changes not yet delivered, oldest first; applied in order before "
+        "the reply is built; a status sent again is applied once")
 
 
 class LaunchAssignment(_Model):
@@ -260,7 +259,7 @@ class HeartbeatReply(_Model):
     node_state: Literal["READY", "LOST", "DRAINING"]
     launches: list[LaunchAssignment]
     statuses_taken: int = Field(default=0, description="how many of the heartbeat's ``statuses`` the server "
-                                "took (applied, or skipped as unknown); a server older than that field answers 0")
+                                "took (applied, or skipped as unknown), in order; the rest are sent again")
 
 
 class LogRecord(_Model):

@@ -106,3 +106,10 @@ def test_illegal_transitions_raise_naming_states(a, b):
 def test_terminal_states_have_no_exit():
     for state in (S.SUCCEEDED, S.FAILED, S.CANCELLED):
         assert state.terminal and not TRANSITIONS[state]
+
+
+def test_a_stored_spec_with_a_retired_key_still_loads():
+    stored = {"name": "old", "entrypoint": "python t.py", "queue": "default"}
+    assert JobSpec.from_stored(stored).name == "old"
+    with pytest.raises(InvalidSpec, match="queue"):
+        JobSpec.parse(stored)

@@ -21,7 +21,7 @@ from torchrelay import __version__
 from torchrelay.errors import RelayError
 from torchrelay.server import longpoll
 from torchrelay.server.service import ClusterService
-from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus,
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo,
                              LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
                              SubmitRequest)
 
@@ -171,11 +171,6 @@ def _agent_routes(svc: ClusterService) -> APIRouter:
     @api.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatReply)
     async def heartbeat(node_id: str, body: Heartbeat) -> HeartbeatReply:
         return await longpoll.heartbeat(svc, node_id, body)
-
-    @api.post("/launches/{launch_id}/status")
-    def launch_status(launch_id: str, body: LaunchStatus) -> dict[str, bool]:
-        svc.launch_status(launch_id, body)
-        return {"ok": True}
 
     @api.post("/jobs/{job_id}/logs")
     def post_logs(job_id: str, body: LogBatch) -> dict[str, Any]:

@@ -470,7 +470,7 @@ def facts_of(conn: Any, cache: Cache, seq: int) -> JobFacts:
     facts = cache.jobs.get(seq)
     if facts is None:
         data = conn.execute(select(JobRow.__table__.c.spec).where(JobRow.__table__.c.seq == seq)).scalar()
-        facts = cache.jobs[seq] = JobFacts(seq, JobSpec.parse(data))
+        facts = cache.jobs[seq] = JobFacts(seq, JobSpec.from_stored(data))
     return facts
 
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the Debian packages behind the tests' own services when missing (root only; else a
+# note and exit 0: those tests then skip with the reason).
+set -u
+packages=(ceph-mon ceph-osd radosgw postgresql)
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+((${#missing[@]})) || exit 0
+if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
+  echo "not installing ${missing[*]}: needs root and apt-get (their tests will skip)"; exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1; apt-get install -y -q "${missing[@]}" >/dev/null; }
