@@ -10,6 +10,7 @@ killed in teardown whatever happens.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -60,9 +61,16 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     assert len(auto[0]["plan"]["stages"]) == 2
     # a close call between two cuts was measured, and the plan says which it kept
     refined = cases["mlp5-lean-1f1b-auto"][0]["plan"]
-    assert any("measured as whole stages" in note and "[2]" in note and "[3]" in note
-               for note in refined["notes"]), refined["notes"]
-    assert refined["stages"][1]["blocks"][0] in (2, 3)
+    # Which neighbours fall within the tolerance depends on the profile's timings (noisy on a
+    # shared machine: [2]|[3] one run, [3]|[4] another); what must hold is that at least two
+    # cuts were timed, and that the plan kept the one measured fastest.
+    notes = [n for n in refined["notes"] if "measured as whole stages" in n]
+    assert notes, refined["notes"]
+    timed = {int(cut): float(ms) for cut, ms in re.findall(r"\[(\d+)\] ([\d.]+) ms", notes[0])}
+    assert len(timed) >= 2, notes
+    kept = refined["stages"][1]["blocks"][0]
+    assert f"chose [{kept}]" in notes[0] and timed[kept] == min(timed.values()), notes
+    assert kept in (2, 3)
     errors = results[0]["errors"]
     assert errors["stages"].startswith("InvalidSpec") and "stages=3" in errors["stages"] \
         and "has 2" in errors["stages"]
