@@ -109,3 +109,15 @@ def launches():
     for launch in started:
         launch.stop(grace_s=2)
         assert launch.remaining_processes() == []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_agent_cgroups_left():
+    """Agents a test killed before they closed leave their cgroups (under this process's own);
+    the next agent would sweep them, the end of the session does it for the last ones."""
+    yield
+    from torchrelay.agent import cgroups
+
+    usable, _ = cgroups.cgroups_usable()
+    if usable:
+        cgroups.sweep_dead_agents(cgroups.detect())

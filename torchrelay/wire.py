@@ -71,6 +71,8 @@ class RankExit(_Model):
     signal: int | None = None
     returned: bool = False
     last_lines: list[str] = Field(default_factory=list)
+    reason: str | None = Field(default=None, description="why the node ended it, when it did: e.g. "
+                               "'memory limit 1 GiB exceeded' (the kernel's OOM killer in the launch's cgroup)")
 
 
 class FailureInfo(_Model):
@@ -252,6 +254,8 @@ class LaunchAssignment(_Model):
     store_url: str
     job_store_prefix: str
     stop_grace_s: float = Field(default=30.0, description="SIGTERM, then SIGKILL after this long")
+    cpu: float = Field(default=0.0, ge=0, description="cpus granted per worker (the launch's cgroup weight)")
+    memory: int = Field(default=0, ge=0, description="bytes granted per worker (the launch's cgroup limit; 0: none)")
 
 
 class HeartbeatReply(_Model):

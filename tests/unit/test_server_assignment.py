@@ -73,11 +73,13 @@ def test_worker_environment(gpus, node_gpu_type, expected):
 ])
 def test_launch_assignment(own_grace, master, expected_grace, expected_master):
     row = SimpleNamespace(id="job-3-a1-n1", job_seq=3, attempt=1, node_rank=1, nnodes=2, nproc=2, rank_offset=2,
-                          world_size=4, desired="run", stop_reason=None, stop_grace_s=own_grace, bundle="ab")
+                          world_size=4, desired="run", stop_reason=None, stop_grace_s=own_grace, bundle="ab",
+                          cpu=0.5, memory=2**30)
     out = launch_assignment(row, job_id="job-3", argv=["python", "x.py"], env={"A": "1"}, spec_stop_grace_s=12.0,
                             master=master, store_url="/store")
     assert (out.stop_grace_s, out.master_addr, out.master_port) == (expected_grace, *expected_master)
     assert (out.nproc_per_node, out.rank_offset, out.world_size, out.job_store_prefix) == (2, 2, 4, "jobs/job-3")
+    assert (out.cpu, out.memory) == (0.5, 2**30)  # per worker: what the agent's cgroup enforces
 
 
 def live(node, nproc, offset, gpu=0, cpu=1.0):

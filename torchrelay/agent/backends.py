@@ -21,6 +21,11 @@ Contract of the backends:
   (``zygote.Zygote``) when ``zygote.eligible`` allows and the zygote answers (``forked`` then),
   else started as ``DirectBackend`` starts it. A forked worker is reaped by the zygote, which
   reports its wait status.
+
+Every backend starts its first process inside the launch's cgroup when the place has one
+(``LaunchPlace.cgroup``, see ``torchrelay.agent.cgroups``): a started process through
+``LaunchPlace.command`` (it joins before it ``exec``s), a forked one through
+``LaunchPlace.join(pid)``, a call any backend can make.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import enum
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -39,6 +45,7 @@ from typing import BinaryIO, ClassVar
 
 from torchrelay import wire
 from torchrelay.agent import worker
+from torchrelay.agent.cgroups import CgroupError, LaunchCgroup
 from torchrelay.agent.commands import build_rank_env, build_torchrun_command, direct_command
 from torchrelay.agent.processes import signal_group
 from torchrelay.agent.target import target_of_entrypoint
@@ -62,6 +69,17 @@ class LaunchPlace:
     code_dir: Path
     run_dir: Path
     python: str
+    cgroup: LaunchCgroup | None = None  # the launch's cgroup (created), or None: no limits
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` as started: joining the launch's cgroup first when there is one."""
+        return argv if self.cgroup is None else self.cgroup.wrap(argv)
+
+    def join(self, pid: int) -> None:
+        """Put a process started some other way (forked) into the launch's cgroup. Raises
+        ``cgroups.CgroupError``."""
+        if self.cgroup is not None:
+            self.cgroup.add(pid)
 
 
 class LaunchBackend(abc.ABC):
@@ -120,7 +138,7 @@ class TorchrunBackend(LaunchBackend):
         with open(self.log_path, "ab") as out:
             out.write(f"$ {shlex.join(cmd)}\n".encode())
             out.flush()
-            self._proc = subprocess.Popen(cmd, cwd=self.place.code_dir, env=env, stdin=subprocess.DEVNULL,
+            self._proc = subprocess.Popen(self.place.command(cmd), cwd=self.place.code_dir, env=env, stdin=subprocess.DEVNULL,
                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self._proc.pid
 
@@ -193,7 +211,7 @@ class DirectBackend(LaunchBackend):
         """Start the worker as a fresh process in a new session. Raises ``OSError``."""
         argv = direct_command(self.target, self.place.python)
         launch_log.write(f"$ {shlex.join(argv)}\n".encode())
-        proc = subprocess.Popen(argv, cwd=self.place.code_dir, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(self.place.command(argv), cwd=self.place.code_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=stdout, stderr=stderr, start_new_session=True)
         return _Spawned(proc.pid, worker.waitpid_status, proc)
 
@@ -265,6 +283,11 @@ class ZygoteBackend(DirectBackend):
                 log.warning("launch %s: zygote refused (%s); starting the worker instead",
                             self.place.assignment.launch_id, exc)
             else:
+                try:
+                    self.place.join(pid)
+                except CgroupError:
+                    os.killpg(pid, signal.SIGKILL)  # never let it run outside its limits
+                    raise
                 argv = direct_command(self.target, self.place.python)
                 launch_log.write(f"$ {shlex.join(argv)}  # forked by the zygote, pid {pid}\n".encode())
                 self.forked = True

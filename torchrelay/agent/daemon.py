@@ -28,6 +28,11 @@ Contract:
   a launch is let go of only once nothing of it is owed.
 - Direct launches of Python workers are forked from the agent's zygote (``zygote.Zygote``,
   started with the first one; ``zygote=False`` or ``RELAY_AGENT_ZYGOTE=0`` turns it off).
+- Limits (``cgroups="auto"|"on"|"off"``, default ``RELAY_AGENT_CGROUPS`` else auto): the agent
+  enforces its offer (``cpus``, ``memory``) and each launch's grant with cgroups
+  (``torchrelay.agent.cgroups``), created in ``run`` under ``cgroup_parent`` (default: its own
+  cgroup). "auto" uses them when this process can (root, the controllers mounted) and says once
+  why not otherwise; "on" makes ``run`` raise ``cgroups.CgroupUnavailable`` instead.
 - ``Agent.close()`` stops every launch (SIGTERM, SIGKILL after the grace), closes the zygote,
   delivers what it can, and returns when no process of any launch is left. Idempotent.
 
@@ -52,6 +57,7 @@ from pathlib import Path
 
 from torchrelay import wire
 from torchrelay.agent.bundles import BundleCache
+from torchrelay.agent.cgroups import AgentCgroups, CgroupUnavailable
 from torchrelay.agent.gpus import GpuSlots
 from torchrelay.agent.launcher import Launch
 from torchrelay.agent.outbox import Carrier, Entry, Outbox
@@ -78,7 +84,8 @@ class Agent:
                  heartbeat_wait_s: float = 10.0, ship_interval_s: float = 0.3,
                  stop_grace_s: float = 10.0, zygote: bool | None = None, gpu_type: str | None = None,
                  launch_factory: LaunchFactory | None = None, server: ServerLink | None = None,
-                 sweep: Callable[[str, Path], int] = kill_launch_processes):
+                 sweep: Callable[[str, Path], int] = kill_launch_processes,
+                 cgroups: str | None = None, cgroup_parent: str | None = None):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"address {address!r} is not a URL; give e.g. http://127.0.0.1:8765")
         if not name:
@@ -95,6 +102,11 @@ class Agent:
             raise ValueError(f"gpu_type {gpu_type!r} was given but this node offers 0 gpus; "
                              "give --gpus N (N > 0) with --gpu-type, or drop --gpu-type")
         self.memory = detect_memory() if memory is None else int(memory)
+        self.cgroups_mode = cgroups or os.environ.get("RELAY_AGENT_CGROUPS", "auto")
+        if self.cgroups_mode not in ("auto", "on", "off"):
+            raise ValueError(f"cgroups {self.cgroups_mode!r} is not one of auto, on, off")
+        self.cgroup_parent = cgroup_parent
+        self.cgroups: AgentCgroups | None = None  # created in run()
         self.work_dir = Path(work_dir)
         self.labels = dict(labels or {})
         self.heartbeat_wait_s = heartbeat_wait_s
@@ -139,6 +151,7 @@ class Agent:
         """Serve until ``stop_event`` is set, then ``close()``. Blocks."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._end_orphans()
+        self._open_cgroups()
         self.node_id = self.node_id or self._saved_node_id()
         threading.Thread(target=self._poll_loop, name="relay-agent-poller", daemon=True).start()
         self._courier = threading.Thread(target=self._courier_loop, name="relay-agent-courier", daemon=True)
@@ -166,6 +179,8 @@ class Agent:
                 runner.launch.stop(self.stop_grace_s)
         if self.zygote is not None:
             self.zygote.close()
+        if self.cgroups is not None:
+            self.cgroups.close()
         self._courier_done.set()
         self._wake_courier()
         if self._courier is not None:
@@ -210,8 +225,25 @@ class Agent:
 
     def _new_launch(self, assignment: wire.LaunchAssignment, *, code_dir: Path, run_dir: Path,
                     cuda_visible_devices: str | None) -> LaunchHandle:
+        cgroup = None if self.cgroups is None else self.cgroups.launch(
+            assignment.launch_id, cpu_per_worker=assignment.cpu, memory_per_worker=assignment.memory,
+            workers=assignment.nproc_per_node)
         return Launch(assignment, code_dir=code_dir, run_dir=run_dir, relay_address=self.address,
-                      zygote=self.zygote, cuda_visible_devices=cuda_visible_devices)
+                      zygote=self.zygote, cuda_visible_devices=cuda_visible_devices, cgroup=cgroup)
+
+    def _open_cgroups(self) -> None:
+        """This agent's cgroup, with its offer as the ceiling (see the module docstring)."""
+        if self.cgroups_mode == "off" or self.cgroups is not None:
+            return
+        try:
+            self.cgroups = AgentCgroups.open(cpus=self.cpus, memory=self.memory, parent=self.cgroup_parent)
+        except CgroupUnavailable as exc:
+            if self.cgroups_mode == "on":
+                raise
+            log.warning("running without cgroup limits: %s", exc)
+            return
+        log.info("enforcing %g cpus and %d bytes with cgroups in %s", self.cpus, self.memory,
+                 ", ".join(self.cgroups.dirs))
 
     def _report(self, runner: LaunchRunner, status: wire.LaunchStatus) -> None:
         """A runner's state change: held as its state, queued for the server."""

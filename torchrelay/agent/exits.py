@@ -28,6 +28,8 @@ def describe_rank(exit_: wire.RankExit) -> str:
             how += f" (then signal {exit_.signal} during shutdown)"
     elif exit_.signal is not None:
         how = f"signal {exit_.signal} ({_signal_name(exit_.signal)})"
+        if exit_.reason:  # the node ended it: 'memory limit 1 GiB exceeded (signal 9, SIGKILL)'
+            how = f"{exit_.reason} (signal {exit_.signal}, {_signal_name(exit_.signal)})"
     elif exit_.exit_code is not None:
         how = f"exit code {exit_.exit_code}"
     else:

@@ -18,6 +18,11 @@ Contract:
 - ``Launch.stop(grace_s)``: the backend's ``signal(SIGTERM)``, ``SIGKILL`` after ``grace_s``,
   then whatever of the launch is left; returns only when no process is left. Idempotent.
 - ``pick_free_port(host)``: a port the OS says is free there now.
+- ``cgroup=`` (a ``cgroups.LaunchCgroup``): created by ``start`` before anything runs (a refusal
+  raises ``cgroups.CgroupError``, an ``OSError``), every process of the launch starts in it, and
+  it is removed once the launch ended, however it ended (also when it never started). A rank the
+  kernel's OOM killer ended carries the reason ("memory limit 1 GiB exceeded") in its
+  ``RankExit.reason`` and the launch's message.
 
 Files under ``run_dir``: ``logs/rank-R.log`` (tagged lines, see the worker), ``metrics/rank-R.jsonl``,
 ``status/rank-R.json`` (the worker's marker) and the backend's own log (``torchrun.log``, or
@@ -37,6 +42,7 @@ from pathlib import Path
 
 from torchrelay import wire
 from torchrelay.agent.backends import BackendKind, LaunchBackend, LaunchPlace, make_backend
+from torchrelay.agent.cgroups import LaunchCgroup, Release
 from torchrelay.agent.commands import build_worker_env, is_direct
 from torchrelay.agent.exits import LAST_LINES, classify_exit, exit_message, no_exit_record
 from torchrelay.agent.output import LaunchOutput
@@ -59,6 +65,13 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def oom_ranks(ranks: list[wire.RankExit], reason: str) -> list[wire.RankExit]:
+    """``ranks`` with ``reason`` on those SIGKILLed that did not return (the OOM killer's
+    victims: nothing else of the launch sends SIGKILL to a rank that has not been stopped)."""
+    return [r.model_copy(update={"reason": reason}) if r.signal == signal.SIGKILL and not r.returned else r
+            for r in ranks]
+
+
 class Launch:
     """One launch: ``start`` it, ``take_logs``/``take_metrics`` while it runs,
     ``poll``/``wait`` for its ``wire.LaunchStatus``, ``stop`` it.
@@ -70,13 +83,16 @@ class Launch:
     def __init__(self, assignment: wire.LaunchAssignment, *, code_dir: Path, run_dir: Path,
                  relay_address: str = "", python: str = sys.executable,
                  base_env: Mapping[str, str] | None = None, zygote: Zygote | None = None,
-                 cuda_visible_devices: str | None = None, backend: BackendKind | None = None):
+                 cuda_visible_devices: str | None = None, backend: BackendKind | None = None,
+                 cgroup: LaunchCgroup | None = None):
         self.assignment = assignment
         self.run_dir = Path(run_dir)
         self.relay_address = relay_address
         self.cuda_visible_devices = cuda_visible_devices
         self.base_env = dict(os.environ if base_env is None else base_env)
-        place = LaunchPlace(assignment=assignment, code_dir=Path(code_dir), run_dir=self.run_dir, python=python)
+        self.cgroup = cgroup
+        place = LaunchPlace(assignment=assignment, code_dir=Path(code_dir), run_dir=self.run_dir, python=python,
+                            cgroup=cgroup)
         self.backend: LaunchBackend = make_backend(backend or default_backend_kind(assignment, zygote), place,
                                                    zygote)
         self.ranks = range(assignment.rank_offset, assignment.rank_offset + assignment.nproc_per_node)
@@ -124,7 +140,14 @@ class Launch:
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             env = build_worker_env(self.assignment, base_env=self.base_env, run_dir=self.run_dir,
                                    relay_address=self.relay_address, cuda_visible_devices=self.cuda_visible_devices)
-            self.backend.start(env, master_addr, master_port)
+            try:
+                if self.cgroup is not None:
+                    self.cgroup.create()
+                self.backend.start(env, master_addr, master_port)
+            except BaseException:
+                if self.cgroup is not None:
+                    self.cgroup.release()
+                raise
             self._started = True
 
     # -------------------------------------------------------------- logs and metrics
@@ -169,10 +192,15 @@ class Launch:
     def _finish(self) -> wire.LaunchStatus:
         self._read_output(final=True)
         ranks, succeeded = classify_exit(self.ranks, self._markers(), self._output.last_lines)
+        released = self.cgroup.release() if self.cgroup is not None else Release(0, None)
+        if released.reason:
+            ranks = oom_ranks(ranks, released.reason)
         tail = self._launcher_tail(8) if self._started and not succeeded and no_exit_record(ranks) else []
         message = exit_message(ranks, succeeded=succeeded, started=self._started, stopped=self._stopped,
                                unstarted=self.backend.unstarted, first_process=self.backend.first_process,
                                returncode=self.backend.returncode, launcher_tail=tail)
+        if released.reason and released.reason not in message:
+            message = f"{released.reason}; {message}"
         return wire.LaunchStatus(state="exited", ranks=ranks, succeeded=succeeded,
                                  stopped=self._stopped, message=message)
 

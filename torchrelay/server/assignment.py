@@ -126,6 +126,8 @@ class AssignedLaunch(Protocol):
     stop_reason: str | None
     stop_grace_s: float | None
     bundle: str | None
+    cpu: float
+    memory: int
 
 
 def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], env: dict[str, str],
@@ -141,4 +143,4 @@ def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], e
         node_rank=launch.node_rank, nnodes=launch.nnodes, nproc_per_node=launch.nproc,
         world_size=launch.world_size, rank_offset=launch.rank_offset, master_addr=master[0], master_port=master[1],
         entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url,
-        job_store_prefix=ArtifactStore.job_prefix(job_id))
+        job_store_prefix=ArtifactStore.job_prefix(job_id), cpu=launch.cpu, memory=launch.memory)

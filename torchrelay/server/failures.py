@@ -78,6 +78,8 @@ def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
 
 
 def _how_it_ended(rank: RankExit) -> str:
+    if rank.reason:  # the node ended it, e.g. "memory limit 1 GiB exceeded"
+        return f"was stopped: {rank.reason}" + (f" (signal {rank.signal})" if rank.signal else "")
     if rank.signal:
         try:
             return f"was killed by {signal.Signals(rank.signal).name}"

@@ -43,7 +43,7 @@ _EXITED = LaunchState.EXITED.value
 # the launch columns a heartbeat reply is built from (read as plain rows, no ORM objects)
 _ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
     "id", "job_seq", "attempt", "node_id", "node_rank", "nnodes", "nproc", "rank_offset", "world_size", "gpu",
-    "desired", "stop_reason", "state", "master_port", "stop_grace_s"))
+    "cpu", "memory", "desired", "stop_reason", "state", "master_port", "stop_grace_s"))
 _BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.submitted_at, JobRow.attempt,
                   JobRow.requeue, JobRow.waiting_reason, JobRow.placed_at)
 _LIVE_COLUMNS = (LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc, LaunchRow.cpu,

@@ -23,7 +23,12 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
                                       help="fork one-process Python workers from a warm interpreter (default: on unless RELAY_AGENT_ZYGOTE=0)"),
           memory: str = typer.Option(None, help="memory to offer, e.g. 16GiB (default: all)"),
           work_dir: Path = typer.Option(None, help="bundle cache and launch folders (default: RELAY_HOME/agents/NAME)"),
-          label: list[str] = typer.Option([], "--label", help="node label key=value (repeatable)")) -> None:
+          label: list[str] = typer.Option([], "--label", help="node label key=value (repeatable)"),
+          cgroups: str = typer.Option(None, "--cgroups", envvar="RELAY_AGENT_CGROUPS",
+                                      help="enforce the offer and each launch's cpu and memory with cgroups: "
+                                      "auto (when root and mounted; the default), on, off"),
+          cgroup_parent: str = typer.Option(None, "--cgroup-parent",
+                                            help="the cgroup the agent's own goes under (default: its own)")) -> None:
     """Run an agent: register with the server, start and watch this node's workers."""
     from torchrelay.agent.daemon import Agent
     from torchrelay.home import relay_home
@@ -39,7 +44,8 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
     try:
         node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,
                      memory=parse_memory(memory) if memory else None,
-                     work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote)
+                     work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote,
+                     cgroups=cgroups, cgroup_parent=cgroup_parent)
     except ValueError as exc:
         fail(str(exc))
     stop = threading.Event()
