@@ -97,13 +97,24 @@ class Resources(_Strict):
             raise ValueError(str(exc).removeprefix("memory: ")) from None
 
 
-class DDPStrategy(_Strict):
+class _Balanced(_Strict):
+    """``balance: throughput``: each rank's local batch in proportion to its measured samples/s,
+    the global batch unchanged (docs/heterogeneous.md). ``balance_every``: steps between
+    re-measurements (K); ``balance_threshold``: the least predicted gain in step time that
+    moves the shares (the hysteresis)."""
+
+    balance: Literal["none", "throughput"] = "none"
+    balance_every: int = Field(default=20, ge=1)
+    balance_threshold: float = Field(default=0.1, gt=0, lt=1)
+
+
+class DDPStrategy(_Balanced):
     """Gradients all-reduced every step (DistributedDataParallel)."""
 
     kind: Literal["ddp"] = "ddp"
 
 
-class LocalSGDStrategy(_Strict):
+class LocalSGDStrategy(_Balanced):
     """Each replica steps alone; parameters averaged every ``every`` steps."""
 
     kind: Literal["local_sgd"]
@@ -111,7 +122,7 @@ class LocalSGDStrategy(_Strict):
     warmup_steps: int = Field(default=0, ge=0)
 
 
-class DiLoCoStrategy(_Strict):
+class DiLoCoStrategy(_Balanced):
     """Inner optimizer for ``every`` steps, then the averaged delta through outer Nesterov."""
 
     kind: Literal["diloco"]

@@ -22,6 +22,9 @@ Contract:
   (save_checkpoint keeps them per rank), so a stop between sync points resumes exactly. With
   another world size the RNGs of ranks the checkpoint lacks are left alone (a warning says so)
   and the sampler splits differently; a checkpoint holding such per-rank replicas is refused.
+- Under ``balance: throughput`` the shares of the global batch are part of the state: a
+  resumed job trains the rest of its epoch with the split it had (``position`` steps of the
+  global batch are behind it, whatever the split was, so no sample is seen twice or missed).
 - ``restore()`` and ``save()`` are collective: call them on every rank.
 """
 from __future__ import annotations
@@ -110,6 +113,11 @@ class TrainState:
             state["epoch_rng"] = {rank: self._epoch_rng}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
+        balancer = current_session().balancer
+        if balancer is not None:
+            saved = balancer.state_dict()
+            state["balance"] = {"shares": torch.tensor(saved["shares"], dtype=torch.int64),
+                                "resplits": saved["resplits"]}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,6 +128,11 @@ class TrainState:
             self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.position = int(state["step"]), int(state["epoch"]), int(state["position"])
         self.extra = dict(state.get("extra") or {})
+        balancer = current_session().balancer
+        if balancer is not None and "balance" in state:
+            saved = state["balance"]
+            balancer.load_state_dict({"shares": [int(x) for x in saved["shares"].tolist()],
+                                      "resplits": int(saved["resplits"])})
         rank = f"rank-{_rank()}"
         rng = (state.get("rng") or {}).get(rank)
         if rng is None:

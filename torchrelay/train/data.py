@@ -9,6 +9,11 @@ Contract:
   repeating a few (torch's behaviour), so every rank runs the same number of steps; with
   ``drop_last=True`` the tail is dropped instead, both as samples and as a short last batch.
   ``batch_size`` is per rank: the global batch is ``batch_size × world_size``.
+- Under ``balance: throughput`` (ddp, local_sgd, diloco) ``shard`` returns a
+  ``train.balance.BalancedLoader`` instead: the global batch stays ``batch_size × world_size``,
+  each rank's batch follows its measured speed, every sample is seen exactly once per epoch (no
+  padding), and ``len(loader)`` is the same on every rank. It is index-level and in-memory:
+  ``collate_fn`` is the one ``DataLoader`` keyword it takes.
 - ``shard_indices(n, …)`` is the same split as plain indices (pure, no torch.distributed), and
   with ``pad=False`` an exact partition: every index on exactly one rank (use it for evaluation).
 """
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from torchrelay.train.balance import BalancedLoader, balancer_for
 from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 
@@ -52,6 +58,13 @@ def shard(dataset: Dataset, *, batch_size: int, shuffle: bool = True, seed: int 
         if refused in loader_kw:
             raise ValueError(f"shard() makes the sampler itself; drop {refused}={loader_kw[refused]!r}")
     rank, world_size = _resolve(rank, world_size)
+    balancer = balancer_for(current_session().known_context().strategy, rank, world_size)
+    if balancer is not None:
+        refused = sorted(set(loader_kw) - {"collate_fn"})
+        if refused:
+            raise ValueError(f"balanced shards (strategy balance: throughput) take only collate_fn; drop {refused}")
+        return BalancedLoader(dataset, batch_size=batch_size, balancer=balancer, shuffle=shuffle, seed=seed,
+                              drop_last=drop_last, **loader_kw)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kw)

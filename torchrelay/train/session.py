@@ -10,7 +10,8 @@ One ``Session`` per process (``current_session()``) holds:
 - ``stop`` — the SIGTERM stop request and the ranks' agreement on it (``train.preempt``);
 - ``checkpoint`` — the job's checkpoint machinery (``train.checkpoint``): its process group, the
   async save in flight, the staging and upload threads;
-- ``worker_group`` — a parameter-server job's workers-only process group (``train.ps``).
+- ``worker_group`` — a parameter-server job's workers-only process group (``train.ps``);
+- ``balancer`` — balanced data parallel's shares of the global batch (``train.balance``).
 
 Each part is changed by the module named beside it; the others only read it. ``shutdown()``
 drops what ``init`` and ``prepare`` made (context, optimizer, writer); the stop request, the
@@ -72,6 +73,7 @@ class Session:
     stop: StopRequest = dataclasses.field(default_factory=StopRequest)
     checkpoint: CheckpointState = dataclasses.field(default_factory=CheckpointState)
     worker_group: Any = None
+    balancer: Any = None
 
     def known_context(self) -> Context:
         """The context of ``init()`` if it ran, else one read from the environment (no process group).

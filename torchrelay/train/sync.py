@@ -39,6 +39,16 @@ Contract:
   clipping placed before ``step()`` sees local gradients there (ddp's sees averaged ones).
 - Only trainable parameters are synchronised (like ``torch.distributed``'s model averagers);
   buffers are not. With world size 1 no collective is called and nothing is wrapped.
+- Every step is timed (``train.balance.StepClock``): ``metrics()`` also gives ``compute_s``,
+  ``allreduce_wait_s`` (waiting for the all-reduce after this rank's gradients were ready, or
+  inside a blocking collective) and ``idle_fraction`` (that wait over the step's time), from
+  the second step on, for every strategy here, balanced or not.
+- ``balance: throughput`` (ddp, local_sgd, diloco; ``train.balance.Balancer``): ranks train
+  local batches of different sizes; DDP's comm hook scales each rank's gradient by
+  ``b_i / B`` and sums, so the step's gradient is the whole batch's; gradient warm-up does the
+  same, and parameter averages weigh each replica by the samples it trained since the last
+  sync. ``step()`` counts the step for the balancer, which re-splits when due (collective).
+  ``metrics()`` adds ``share``, ``measured_samples_per_s`` and ``resplits``.
 """
 from __future__ import annotations
 
@@ -61,6 +71,7 @@ from torchrelay.spec import (
     LocalSGDStrategy,
     describe_validation_error,
 )
+from torchrelay.train.balance import Balancer, StepClock, balancer_for
 from torchrelay.train.environment import validate_strategy
 from torchrelay.train.prepared import StrategyOptimizer
 
@@ -123,10 +134,13 @@ class Collective:
     ring sends 2(W-1)/W of it. With world size 1 nothing is called and nothing counted.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, *, clock: StepClock | None = None,
+                 weights: Balancer | None = None) -> None:
         self.world_size = world_size
         self.pending_bytes = 0
         self.total_bytes = 0
+        self.clock = clock or StepClock(overlapped=False)  # blocking collectives count as idle
+        self.weights = weights  # balanced: each rank's part of an average (else 1 / world)
 
     def count(self, nbytes: int) -> None:
         self.pending_bytes += nbytes
@@ -137,13 +151,19 @@ class Collective:
         out, self.pending_bytes = self.pending_bytes, 0
         return out
 
-    def average_(self, flat: torch.Tensor) -> torch.Tensor:
-        """In place: ``flat`` becomes the mean of every rank's ``flat``. Blocks."""
+    def average_(self, flat: torch.Tensor, of: str = "parameters") -> torch.Tensor:
+        """In place: ``flat`` becomes the mean of every rank's ``flat``; balanced, the weighted
+        sum (``of`` "gradients": by this step's samples, "parameters": by the samples since the
+        last parameter sync). Blocks."""
         if self.world_size > 1:
             self.count(flat.numel() * flat.element_size())
-            # gloo has no ReduceOp.AVG: sum, then divide.
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(self.world_size)
+            if self.weights is not None:
+                flat.mul_(self.weights.gradient_weight() if of == "gradients" else self.weights.parameter_weight())
+            with self.clock.in_collective():
+                # gloo has no ReduceOp.AVG: sum, then divide.
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            if self.weights is None:
+                flat.div_(self.world_size)
         return flat
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0, counted: bool = True) -> None:
@@ -253,7 +273,7 @@ class GradientAverage(SyncRule):
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         for group in _by_dtype(grads):
-            flat = self.comm.average_(_flatten(group))
+            flat = self.comm.average_(_flatten(group), of="gradients")
             _unflatten_into(flat, group)
 
     def after_step(self, step: int) -> float | None:
@@ -380,6 +400,8 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, *, kind: str, rules: Sequence[SyncRule],
                  comm: Collective, model: torch.nn.Module | None = None) -> None:
+        self.clock = comm.clock
+        self.balancer = comm.weights
         # Not calling Optimizer.__init__: the inner optimizer owns param_groups and state
         # (the same choice as torch.distributed.optim.PostLocalSGDOptimizer).
         self.inner = inner
@@ -412,6 +434,7 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One local step plus whatever the strategy does at this step. Collective for ddp warm-up/syncs."""
         k = self.steps_done + 1
+        self.clock.step_called()
         for rule in self.rules:
             rule.before_step(k)
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
@@ -420,12 +443,24 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
         for rule in self.rules:
             d = rule.after_step(k)
             divergence = d if d is not None else divergence
+        times = self.clock.step_ended()
+        if self.balancer is not None:
+            if divergence is not None:
+                self.balancer.parameters_synced()
+            self.balancer.after_step(k, times.compute_s if times is not None else None)
+            self.clock.restart()  # a re-measurement is not the next step's compute
         self._record(divergence)
         return loss
 
     def _record(self, divergence: float | None) -> None:
         self._metrics = {"bytes_sent": float(self.comm.take_pending()),
                          "bytes_sent_total": float(self.comm.total_bytes)}
+        times = self.clock.last
+        if times is not None:
+            self._metrics.update(compute_s=times.compute_s, allreduce_wait_s=times.idle_s,
+                                 idle_fraction=times.idle_fraction)
+        if self.balancer is not None:
+            self._metrics.update(self.balancer.metrics())
         if divergence is not None:
             self._metrics["divergence"] = divergence
 
@@ -477,6 +512,8 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
         for rule in self.rules:
             d = rule.on_finish(self.steps_done)
             divergence = d if d is not None else divergence
+        if divergence is not None and self.balancer is not None:
+            self.balancer.parameters_synced()
         self._metrics["bytes_sent_total"] = float(self.comm.total_bytes)
         if divergence is not None:
             self._metrics["divergence"] = divergence
@@ -516,24 +553,31 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
 # ---------------------------------------------------------------- model transform
 
 
-def _counting_allreduce_hook(comm, bucket):
+def _weighted_allreduce_hook(comm, bucket):
     # No annotations: DDP checks that ``bucket`` is annotated as the class dist.GradBucket,
     # and ``from __future__ import annotations`` would turn that into a string.
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+    # torch's allreduce_hook divides by the world and sums; this one multiplies by this rank's
+    # weight (1 / world, or b_i / B when balanced) and sums: the same for equal shares, the
+    # whole batch's gradient for uneven ones. It also counts the bytes and notes when the
+    # gradients were ready (the last bucket's call), from which the clock tells the wait.
     buffer = bucket.buffer()
     comm.count(buffer.numel() * buffer.element_size())
-    return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    comm.clock.gradients_ready()
+    weight = comm.weights.gradient_weight() if comm.weights is not None else 1.0 / comm.world_size
+    buffer.mul_(weight)
+    future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0])
 
 
 def apply_ddp(model: torch.nn.Module, ctx: Context, comm: Collective) -> torch.nn.Module:
-    """Wrap in ``DistributedDataParallel`` whose gradient all-reduce is counted by ``comm``."""
+    """Wrap in ``DistributedDataParallel`` whose gradient all-reduce is weighted, counted and
+    timed by ``comm``."""
     from torch.nn.parallel import DistributedDataParallel
 
     device = torch.device(ctx.device)
     device_ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids)
-    ddp.register_comm_hook(comm, _counting_allreduce_hook)
+    ddp.register_comm_hook(comm, _weighted_allreduce_hook)
     return ddp
 
 
@@ -598,7 +642,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
     """
     strategy = _as_strategy(strategy)
     _check_context(ctx)
-    comm = Collective(ctx.world_size)
+    balancer = balancer_for(strategy, ctx.rank, ctx.world_size)
+    comm = Collective(ctx.world_size, clock=StepClock(overlapped=isinstance(strategy, DDPStrategy)),
+                      weights=balancer)
     model = model.to(ctx.device)  # in place for parameters, so the optimizer still holds them
     params = [p for p in model.parameters() if p.requires_grad]
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -1,0 +1,256 @@
+"""Balanced data parallel on two real gloo ranks, checked against one process on the whole batch.
+
+This file is also its own worker script (``tests/rank_scripts.py``): one two-rank launch runs
+every scenario and writes what each rank saw; the tests compare it with single-process math.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+GLOBAL_BATCH = 64
+SPLITS = [(63, 1), (43, 21), (32, 32)]  # a share of one sample, uneven, even
+
+
+def data():
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(x))
+    return (torch.tensor(x[order] / 16.0, dtype=torch.float32), torch.tensor(y[order], dtype=torch.long))
+
+
+def make_model(seed: int = 0):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def whole_batch_gradient(x, y):
+    import torch.nn.functional as F
+
+    model = make_model()
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------- in the ranks
+
+
+def _fresh(strategy):
+    """A new balanced prepare (the session's balancer dropped first)."""
+    import torch
+
+    from torchrelay.train import sync
+    from torchrelay.train.session import current_session
+
+    current_session().balancer = None
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return sync.prepare(model, optimizer, strategy, _Ctx())
+
+
+class _Ctx:
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.device = dist.get_rank(), dist.get_world_size(), "cpu"
+
+
+def scenario_gradients(rank: int, x, y) -> dict:
+    """DDP's weighted all-reduce for each split: the largest difference from the whole batch's."""
+    import torch.nn.functional as F
+
+    from torchrelay.spec import DDPStrategy
+
+    out = {}
+    for split in SPLITS:
+        model, optimizer = _fresh(DDPStrategy(balance="throughput", balance_threshold=0.99))
+        balancer = optimizer.balancer
+        balancer.set_global_batch(GLOBAL_BATCH)
+        balancer.shares = split
+        start = sum(split[:rank])
+        balancer.on_batch(split[rank], GLOBAL_BATCH)
+        xs, ys = x[start:start + split[rank]], y[start:start + split[rank]]
+        F.cross_entropy(model(xs), ys).backward()
+        reference = whole_batch_gradient(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
+        out[str(split)] = max(float((p.grad - r).abs().max()) for p, r in zip(model.parameters(), reference))
+    return out
+
+
+def scenario_coverage(rank: int, x, y) -> dict:
+    """The loader's indices over an epoch with a re-split after step 5 (1797 = 28 x 64 + 5)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from torchrelay.spec import DDPStrategy
+    from torchrelay.train.balance import BalancedLoader
+
+    _, optimizer = _fresh(DDPStrategy(balance="throughput"))
+    balancer = optimizer.balancer
+    loader = BalancedLoader(TensorDataset(torch.arange(len(x))), batch_size=GLOBAL_BATCH // 2, balancer=balancer,
+                            seed=3)
+    loader.set_epoch(1)
+    seen, sizes = [], []
+    for step, (idx,) in enumerate(loader):
+        seen += idx.tolist()
+        sizes.append(len(idx))
+        if step == 5:
+            balancer.shares = (50, 14)
+    return {"seen": seen, "sizes": sizes, "steps": len(loader)}
+
+
+def scenario_local_sgd(rank: int, x, y) -> list:
+    """Local SGD every 2 steps on shares (43, 21): the parameters after 4 steps."""
+    import torch.nn.functional as F
+
+    from torchrelay.spec import LocalSGDStrategy
+
+    model, optimizer = _fresh(LocalSGDStrategy(kind="local_sgd", every=2, balance="throughput",
+                                               balance_threshold=0.99))
+    balancer = optimizer.balancer
+    balancer.set_global_batch(GLOBAL_BATCH)
+    balancer.shares = (43, 21)
+    start = sum(balancer.shares[:rank])
+    for step in range(4):
+        base = step * GLOBAL_BATCH + start
+        share = balancer.shares[rank]
+        balancer.on_batch(share, GLOBAL_BATCH)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[base:base + share]), y[base:base + share]).backward()
+        optimizer.step()
+    assert balancer.shares == (43, 21)
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
+    """DDP balanced through TrainState: 30 steps at once, and 17 + a restore + 13."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import torchrelay.train as rt
+    from torchrelay.train import shard
+    from torchrelay.train.checkpoint_state import TrainState
+    from torchrelay.train.session import current_session
+
+    def run(steps: int, restore: bool) -> list:
+        current_session().balancer = None
+        model = make_model()
+        model, optimizer = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        loader = shard(TensorDataset(x, y), batch_size=GLOBAL_BATCH // 2, seed=5)
+        state = TrainState(model, optimizer, loader)
+        if restore:
+            assert state.restore()
+        for _ in state.epochs(2):
+            for xs, ys in state.batches():
+                optimizer.zero_grad()
+                F.cross_entropy(model(xs), ys).backward()
+                optimizer.step()
+                if state.step == 17 and not restore:
+                    state.save()
+                if state.step == 30:
+                    return [p.detach().clone() for p in model.parameters()]
+        raise AssertionError("the epochs ended early")
+
+    straight = run(30, restore=False)  # saves at step 17 on the way
+    resumed = run(30, restore=True)
+    return {"max_diff": max(float((a - b).abs().max()) for a, b in zip(straight, resumed)),
+            "metrics": {k: v for k, v in current_session().hooks.metrics().items()}}
+
+
+def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), RELAY_OUTPUT_DIR=str(Path(out_dir) / "outputs"),
+                      RELAY_STRATEGY=json.dumps({"kind": "ddp", "balance": "throughput"}))
+    torch.set_num_threads(1)
+    import torchrelay.train as rt
+
+    rt.init()
+    x, y = data()
+    try:
+        result = {"gradients": scenario_gradients(rank, x, y), "coverage": scenario_coverage(rank, x, y),
+                  "local_sgd": scenario_local_sgd(rank, x, y), "resume": scenario_resume(rank, x, y, out_dir)}
+        (Path(out_dir) / f"{scenario}-{rank}.json").write_text(json.dumps(result))
+    finally:
+        rt.shutdown()
+
+
+# ---------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rank_scripts import run_ranks
+
+    return run_ranks(__file__, tmp_path_factory.mktemp("balanced"), 2, "all")
+
+
+@pytest.mark.parametrize("split", [str(s) for s in SPLITS])
+def test_weighted_split_gradient_equals_the_whole_batch(ranks, split):
+    for rank in ranks:
+        assert rank["gradients"][split] < 1e-6
+
+
+def test_every_sample_once_per_epoch_across_a_resplit(ranks):
+    seen = [r["coverage"]["seen"] for r in ranks]
+    assert sorted(seen[0] + seen[1]) == list(range(1797))
+    assert ranks[0]["coverage"]["steps"] == ranks[1]["coverage"]["steps"] == 29  # 28 x 64, then 5
+    sizes = [r["coverage"]["sizes"] for r in ranks]
+    assert sizes[0][:6] == [32] * 6 and sizes[0][6] == 50 and sizes[1][6] == 14
+    assert (sizes[0][-1], sizes[1][-1]) == (4, 1)  # the 5 left, in proportion to (50, 14)
+
+
+def test_balanced_local_sgd_averages_by_samples(ranks):
+    import torch
+    import torch.nn.functional as F
+
+    x, y = data()
+    replicas = [make_model(), make_model()]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
+    shares, starts = (43, 21), (0, 43)
+    for step in range(4):
+        for model, opt, share, start in zip(replicas, optimizers, shares, starts):
+            base = step * GLOBAL_BATCH + start
+            opt.zero_grad()
+            F.cross_entropy(model(x[base:base + share]), y[base:base + share]).backward()
+            opt.step()
+        if step % 2 == 1:
+            with torch.no_grad():
+                for a, b in zip(*(m.parameters() for m in replicas)):
+                    mean = (a * 43 * 2 + b * 21 * 2) / (64 * 2)
+                    a.copy_(mean)
+                    b.copy_(mean)
+    expected = [p.detach() for p in replicas[0].parameters()]
+    for rank in ranks:
+        for got, want in zip(rank["local_sgd"], expected):
+            assert torch.allclose(torch.tensor(got), want, atol=1e-6)
+
+
+def test_kill_and_resume_mid_epoch_gives_the_same_parameters(ranks):
+    for rank in ranks:
+        assert rank["resume"]["max_diff"] < 1e-5
+
+
+def test_the_step_reports_share_and_idle(ranks):
+    for number, rank in enumerate(ranks):
+        metrics = rank["resume"]["metrics"]
+        assert 0.0 <= metrics["idle_fraction"] <= 1.0 and metrics["compute_s"] > 0
+        assert metrics["share"] >= 1 and metrics["measured_samples_per_s"] > 0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

@@ -1,0 +1,181 @@
+"""Balanced data parallel's arithmetic (torchrelay.train.shares): tables of cases."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from torchrelay.train import shares as S
+
+
+@pytest.mark.parametrize("weights, total, minimum, expected", [
+    ([1, 1], 64, 1, (32, 32)),
+    ([2, 1], 64, 1, (43, 21)),           # 42.67 / 21.33: the larger remainder gets the spare one
+    ([1, 2], 64, 1, (21, 43)),
+    ([1, 1, 1], 10, 1, (4, 3, 3)),       # ties go to the lower rank
+    ([1000, 1], 16, 1, (15, 1)),         # a share that rounds to 0 is lifted to one sample
+    ([1000, 1, 1], 8, 1, (6, 1, 1)),
+    ([0, 1], 8, 1, (1, 7)),              # a rank with no measured speed still gets its one
+    ([0, 0], 5, 1, (3, 2)),              # no information: an even split
+    ([3, 1], 4, 1, (3, 1)),
+    ([1, 1], 2, 1, (1, 1)),              # the smallest global batch: one each
+    ([5, 1], 3, 0, (3, 0)),              # minimum 0 is allowed where asked for
+    ([0.3, 0.3, 0.4], 100, 1, (30, 30, 40)),
+])
+def test_proportional_shares_table(weights, total, minimum, expected):
+    got = S.proportional_shares(weights, total, minimum)
+    assert got == expected
+    assert sum(got) == total and min(got) >= minimum
+
+
+@pytest.mark.parametrize("weights, total, says", [
+    ([], 4, "empty"),
+    ([1, 1, 1], 2, "at least 3"),
+    ([1, -1], 4, "finite and >= 0"),
+    ([1, float("nan")], 4, "finite and >= 0"),
+])
+def test_proportional_shares_refuses(weights, total, says):
+    with pytest.raises(ValueError, match=says):
+        S.proportional_shares(weights, total)
+
+
+def test_proportional_shares_property():
+    rng = random.Random(7)
+    for _ in range(500):
+        world = rng.randint(1, 9)
+        weights = [rng.choice([0.0, rng.uniform(0.01, 100.0)]) for _ in range(world)]
+        total = rng.randint(world, 600)
+        got = S.proportional_shares(weights, total)
+        assert sum(got) == total and min(got) >= 1
+        ideal = [total * w / sum(weights) for w in weights] if sum(weights) else [total / world] * world
+        if min(ideal) >= 1:  # the floor of one sample does not bind: within one sample of the ideal
+            assert all(abs(g - x) < 1 for g, x in zip(got, ideal)), (weights, total, got)
+        else:  # it binds: the only ranks above their ideal by a sample or more are the lifted ones
+            assert all(g <= x + 1 or g == 1 for g, x in zip(got, ideal)), (weights, total, got)
+
+
+@pytest.mark.parametrize("shares, speeds, threshold, expected", [
+    ((32, 32), (100.0, 50.0), 0.1, (43, 21)),    # 2:1 speeds: 0.64 s -> 0.43 s a step
+    ((43, 21), (100.0, 50.0), 0.1, None),        # already balanced: nothing to gain
+    ((43, 21), (100.0, 55.0), 0.1, None),        # a 10 % wobble predicts < 10 % gain: kept
+    ((43, 21), (100.0, 100.0), 0.1, (32, 32)),   # the slow one became fast
+    ((32, 32), (100.0, 96.0), 0.1, None),        # rounding neighbours never flip back and forth
+    ((32, 32), (100.0, 0.0), 0.1, None),         # a rank without a measurement: keep the split
+    ((2, 2), (1000.0, 1.0), 0.1, (3, 1)),        # the floor of one sample each
+])
+def test_decide_resplit_table(shares, speeds, threshold, expected):
+    assert S.decide_resplit(shares, speeds, threshold) == expected
+
+
+@pytest.mark.parametrize("shares, speeds, seconds", [((43, 21), (100.0, 50.0), 0.43), ((1, 0), (1.0, 0.0), 1.0)])
+def test_step_time(shares, speeds, seconds):
+    assert S.step_time(shares, speeds) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("step, every, calibration, due", [
+    (3, 20, 3, True), (2, 20, 3, False), (23, 20, 3, True), (13, 20, 3, False), (43, 20, 3, True),
+    (1, 5, 1, True), (6, 5, 1, True), (5, 5, 1, False)])
+def test_remeasure_due(step, every, calibration, due):
+    assert S.remeasure_due(step, every, calibration) is due
+
+
+@pytest.mark.parametrize("n, batch, world, drop_last, steps", [
+    (100, 10, 2, False, 10), (105, 10, 2, False, 11), (101, 10, 2, False, 10),  # 1 < world: rides along
+    (105, 10, 2, True, 10), (7, 10, 3, False, 1), (1797, 64, 2, False, 29)])
+def test_steps_per_epoch(n, batch, world, drop_last, steps):
+    assert S.steps_per_epoch(n, batch, world, drop_last) == steps
+
+
+@pytest.mark.parametrize("n, batch, world, drop_last, says", [
+    (100, 1, 2, False, "smaller than the world"), (1, 4, 2, False, "cannot be split"),
+    (7, 10, 2, True, "no whole global batch")])
+def test_steps_per_epoch_refuses(n, batch, world, drop_last, says):
+    with pytest.raises(ValueError, match=says):
+        S.steps_per_epoch(n, batch, world, drop_last)
+
+
+@pytest.mark.parametrize("n, step, shares, drop_last, expected", [
+    (100, 0, (7, 3), False, ((0, 7), (7, 10))),
+    (100, 9, (7, 3), False, ((90, 97), (97, 100))),
+    (105, 10, (7, 3), False, ((100, 104), (104, 105))),   # the remainder of 5, in proportion
+    (101, 9, (7, 3), False, ((90, 98), (98, 101))),       # a remainder of 1 < world rides along
+    (105, 9, (9, 1), True, ((90, 99), (99, 100))),
+])
+def test_step_split_table(n, step, shares, drop_last, expected):
+    assert S.step_split(n, sum(shares), step, shares, drop_last) == expected
+
+
+def test_step_split_refuses():
+    with pytest.raises(ValueError, match="not the global batch 10"):
+        S.step_split(100, 10, 0, (5, 4))
+    with pytest.raises(ValueError, match="outside the epoch's 10 steps"):
+        S.step_split(100, 10, 10, (5, 5))
+
+
+def epoch_indices(n, batch, world, shares_at, drop_last=False):
+    """Every rank's indices (positions in the epoch's order) when step s uses ``shares_at(s)``."""
+    per_rank = [[] for _ in range(world)]
+    for step in range(S.steps_per_epoch(n, batch, world, drop_last)):
+        for rank, (start, stop) in enumerate(S.step_split(n, batch, step, shares_at(step), drop_last)):
+            assert stop > start, "every rank has a sample at every step"
+            per_rank[rank].extend(range(start, stop))
+    return per_rank
+
+
+@pytest.mark.parametrize("n, batch, shares_at", [
+    (1797, 64, lambda s: (43, 21)),                                  # uneven, fixed
+    (1797, 64, lambda s: (63, 1)),                                   # a share of one sample
+    (1797, 64, lambda s: (32, 32) if s < 7 else (43, 21)),           # a re-split mid-epoch
+    (1000, 30, lambda s: (10, 10, 10) if s % 3 else (25, 4, 1)),     # re-split at every third step
+    (101, 10, lambda s: (9, 1)),                                     # a remainder smaller than the world
+])
+def test_every_index_exactly_once_per_epoch(n, batch, shares_at):
+    per_rank = epoch_indices(n, batch, len(shares_at(0)), shares_at)
+    seen = sorted(i for indices in per_rank for i in indices)
+    assert seen == list(range(n))
+
+
+def test_uneven_shares_give_uneven_shard_lengths():
+    per_rank = epoch_indices(1797, 64, 2, lambda s: (43, 21))
+    assert [len(x) for x in per_rank] == [1207, 590]
+
+
+def simulate(true_speed, *, steps, every, threshold, calibration=3, global_batch=64, noise=0.05, seed=0):
+    """The controller as the worker runs it, with measured speeds = true speeds +- noise,
+    averaged over each window. Returns the shares after each step and the steps that re-split."""
+    rng = random.Random(seed)
+    world = len(true_speed(0))
+    shares = S.proportional_shares([1] * world, global_batch)
+    window = [[] for _ in range(world)]
+    history, resplits = [], []
+    for step in range(1, steps + 1):
+        for rank, speed in enumerate(true_speed(step)):
+            window[rank].append(speed * (1 + rng.uniform(-noise, noise)))
+        if S.remeasure_due(step, every, calibration):
+            measured = [sum(w) / len(w) for w in window]
+            window = [[] for _ in range(world)]
+            new = S.decide_resplit(shares, measured, threshold)
+            if new is not None:
+                shares = new
+                resplits.append(step)
+        history.append(shares)
+    return history, resplits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_slow_worker_that_becomes_fast_resplits_within_2k_and_does_not_oscillate(seed):
+    every, change = 20, 200
+    history, resplits = simulate(lambda s: (100.0, 50.0) if s <= change else (100.0, 100.0), steps=600,
+                                 every=every, threshold=0.1, seed=seed)
+    assert resplits[0] == 3 and history[3] == (43, 21)              # calibrated after 3 steps
+    after = [s for s in resplits if s > change]
+    assert after and after[0] <= change + 2 * every                 # re-split within 2K steps
+    settled = history[after[-1] - 1]
+    assert settled == (32, 32)
+    assert after == after[:2] and all(s <= change + 2 * every for s in after)  # then never again
+    assert [s for s in resplits if 3 < s <= change] == []           # and not before the change
+
+
+def test_noise_below_the_threshold_never_moves_the_shares():
+    _, resplits = simulate(lambda s: (100.0, 50.0), steps=2000, every=10, threshold=0.1, noise=0.08)
+    assert resplits == [3]

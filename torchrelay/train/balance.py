@@ -1,0 +1,248 @@
+"""Balanced data parallel in a worker: the shares in force, their re-measurement, the loader
+that follows them; and every data-parallel step's clock (compute, idle in collectives).
+
+Contract:
+- ``StepClock`` times one rank's steps for every data-parallel strategy, balanced or not.
+  ``gradients_ready()`` (DDP's comm hook, per bucket: the last call is when backward produced
+  the last gradients), ``in_collective()`` (a context around a blocking collective),
+  ``step_called()``/``step_ended()`` (the prepared optimizer's ``step``). A step runs from the
+  end of the previous one; its ``compute_s`` until its gradients were ready (DDP) or until
+  ``step`` was called, its ``idle_s`` waiting for the all-reduce after that (DDP) or inside the
+  blocking collectives (local SGD, DiLoCo). The first step has no start: no figures.
+- ``Balancer`` (one per process, ``session.balancer``, made by ``balancer_for``): the shares of
+  the global batch ``B`` (``set_global_batch``: an even split until calibrated), the batch being
+  trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
+  (``mine / total``) and its parameters (its samples since the last parameter sync over
+  everyone's) carry, and ``after_step(step, compute_s)``: after the calibration steps and every
+  ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
+  (``shares.decide_resplit``, the threshold being the hysteresis) and broadcasts the shares, which
+  the next batch uses. Collective at those steps (every rank calls ``after_step`` at every step:
+  the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the
+  re-split count (``TrainState`` saves them, so a resumed job continues with the same split).
+- ``BalancedLoader`` (``train.shard`` under ``balance: throughput``): the batches of this rank,
+  ``shares.step_split`` of an epoch's order (a permutation from ``seed + epoch``, as
+  ``DistributedSampler`` draws it), read at each step so that a re-split applies to the next
+  batch. ``len`` is the steps of an epoch; ``set_epoch`` (also as ``loader.sampler.set_epoch``).
+  Index-level and in-memory: a ``TensorDataset`` is indexed as tensors, anything else item by
+  item through ``collate_fn`` (torch's default).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset, default_collate
+
+from torchrelay.train import shares as S
+from torchrelay.train.session import current_session
+
+CALIBRATION_STEPS = 3
+
+__all__ = ["BalancedLoader", "Balancer", "StepClock", "StepTimes", "balancer_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    compute_s: float
+    idle_s: float
+    step_s: float
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class StepClock:
+    """One rank's step times (see the module docstring)."""
+
+    def __init__(self, *, overlapped: bool) -> None:
+        self.overlapped = overlapped  # DDP: the all-reduce overlaps backward, waited for at its end
+        self._start: float | None = None
+        self._ready: float | None = None
+        self._called: float | None = None
+        self._collective_s = 0.0
+        self.last: StepTimes | None = None
+
+    def gradients_ready(self) -> None:
+        self._ready = time.perf_counter()
+
+    @contextlib.contextmanager
+    def in_collective(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._collective_s += time.perf_counter() - began
+
+    def restart(self) -> None:
+        """The next step starts now (after work that belongs to neither step)."""
+        self._start = time.perf_counter()
+
+    def step_called(self) -> None:
+        self._called = time.perf_counter()
+
+    def step_ended(self) -> StepTimes | None:
+        """This step's times (None for the first step, which has no start)."""
+        now = time.perf_counter()
+        start, self._start = self._start, now
+        called = self._called if self._called is not None else now
+        ready = self._ready if (self.overlapped and self._ready is not None) else called
+        collective_s, self._collective_s, self._ready = self._collective_s, 0.0, None
+        if start is None:
+            self.last = None
+            return None
+        ready = max(start, min(ready, called))
+        idle = (called - ready) if self.overlapped else 0.0
+        self.last = StepTimes(compute_s=ready - start, idle_s=idle + collective_s, step_s=now - start)
+        return self.last
+
+
+class Balancer:
+    """The shares of one job's global batch (see the module docstring)."""
+
+    def __init__(self, *, rank: int, world: int, every: int, threshold: float,
+                 calibration_steps: int = CALIBRATION_STEPS) -> None:
+        self.rank, self.world = rank, world
+        self.every, self.threshold, self.calibration_steps = every, threshold, calibration_steps
+        self.global_batch: int | None = None
+        self.shares: tuple[int, ...] | None = None
+        self.resplits = 0
+        self.speeds: tuple[float, ...] | None = None  # samples/s of every rank, last measured
+        self.current = (0, 0)  # (this rank's samples, everyone's) of the batch being trained
+        self._window = [0, 0.0]  # this rank's samples and compute seconds since the last measurement
+        self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """The global batch ``B``; an even split unless shares for this ``B`` are known."""
+        if self.shares is None or sum(self.shares) != global_batch:
+            self.shares = S.proportional_shares([1.0] * self.world, global_batch)
+        self.global_batch = global_batch
+
+    @property
+    def share(self) -> int:
+        return self.shares[self.rank] if self.shares else 0
+
+    def on_batch(self, mine: int, total: int) -> None:
+        self.current = (mine, total)
+        self._since_sync[0] += mine
+        self._since_sync[1] += total
+
+    def gradient_weight(self) -> float:
+        mine, total = self.current
+        return mine / total if total else 1.0 / self.world
+
+    def parameter_weight(self) -> float:
+        mine, total = self._since_sync
+        return mine / total if total else 1.0 / self.world
+
+    def parameters_synced(self) -> None:
+        self._since_sync = [0, 0]
+
+    def after_step(self, step: int, compute_s: float | None) -> bool:
+        """Count the step; re-measure and maybe re-split when due (collective then). True when
+        the shares changed."""
+        if compute_s is not None:
+            self._window[0] += self.current[0]
+            self._window[1] += compute_s
+        if self.shares is None or not S.remeasure_due(step, self.every, self.calibration_steps):
+            return False
+        mine = self._window[0] / self._window[1] if self._window[1] > 0 else 0.0
+        self._window = [0, 0.0]
+        speeds = torch.zeros(self.world, dtype=torch.float64)
+        speeds[self.rank] = mine
+        if self.world > 1:
+            dist.all_reduce(speeds)
+        self.speeds = tuple(float(x) for x in speeds)
+        new = S.decide_resplit(self.shares, self.speeds, self.threshold) if self.rank == 0 else None
+        decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)
+        if self.world > 1:
+            dist.broadcast(decided, src=0)
+        shares = tuple(int(x) for x in decided)
+        changed = shares != self.shares
+        self.shares = shares
+        self.resplits += changed
+        return changed
+
+    def metrics(self) -> dict[str, float]:
+        out = {"share": float(self.share), "resplits": float(self.resplits)}
+        if self.speeds is not None:
+            out["measured_samples_per_s"] = self.speeds[self.rank]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shares": list(self.shares or ()), "global_batch": self.global_batch or 0,
+                "resplits": self.resplits, "world": self.world}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Shares of a checkpoint of the same world and global batch (else kept: re-measured)."""
+        shares = tuple(int(x) for x in state.get("shares", ()))
+        if len(shares) == self.world and shares and (self.global_batch in (None, sum(shares))):
+            self.shares, self.global_batch = shares, sum(shares)
+        self.resplits = int(state.get("resplits", 0))
+
+
+def balancer_for(strategy: Any, rank: int, world: int) -> Balancer | None:
+    """The session's balancer for ``strategy`` (None unless it asks for ``balance: throughput``)."""
+    if getattr(strategy, "balance", "none") != "throughput" or world < 2:
+        return None
+    session = current_session()
+    if session.balancer is None or (session.balancer.rank, session.balancer.world) != (rank, world):
+        session.balancer = Balancer(rank=rank, world=world, every=strategy.balance_every,
+                                    threshold=strategy.balance_threshold)
+    return session.balancer
+
+
+class BalancedLoader:
+    """This rank's batches under balanced shares (see the module docstring)."""
+
+    def __init__(self, dataset: Any, *, batch_size: int, balancer: Balancer, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+        self.dataset = dataset
+        self.balancer = balancer
+        self.global_batch = batch_size * balancer.world
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.collate_fn = collate_fn or default_collate
+        self.epoch = 0
+        balancer.set_global_batch(self.global_batch)
+        self._steps = S.steps_per_epoch(len(dataset), self.global_batch, balancer.world, drop_last)
+
+    @property
+    def sampler(self) -> BalancedLoader:
+        return self  # ``loader.sampler.set_epoch(e)`` as with a DistributedSampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def order(self) -> list[int]:
+        """The epoch's order of sample indices (``DistributedSampler``'s rule: seed + epoch)."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def indices(self, step: int, order: list[int]) -> list[int]:
+        """This rank's sample indices at ``step`` of the epoch, with the shares now in force."""
+        balancer = self.balancer
+        split = S.step_split(len(self.dataset), self.global_batch, step, balancer.shares, self.drop_last)
+        start, stop = split[balancer.rank]
+        balancer.on_batch(stop - start, split[-1][1] - split[0][0])
+        return order[start:stop]
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.order()
+        for step in range(self._steps):
+            idx = self.indices(step, order)
+            if isinstance(self.dataset, TensorDataset):
+                index = torch.tensor(idx, dtype=torch.long)
+                yield tuple(t[index] for t in self.dataset.tensors)
+            else:
+                yield self.collate_fn([self.dataset[i] for i in idx])

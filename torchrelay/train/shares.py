@@ -1,0 +1,127 @@
+"""Balanced data parallel's arithmetic: shares of a global batch, when to re-split, which sample
+indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
+
+- ``proportional_shares(weights, total, minimum=1)``: integers in proportion to ``weights``
+  that sum to ``total``, each at least ``minimum`` (largest remainders; ties to the lower rank).
+- ``step_time(shares, speeds)``: the predicted time of a step, the slowest rank's
+  ``share / speed``.
+- ``decide_resplit(shares, speeds, threshold)``: the shares in proportion to ``speeds`` when
+  they would make a step at least ``threshold`` faster than the current ones predict, else
+  None. This dead band is the hysteresis: speeds that wobble by less never move the shares,
+  and after a re-split the same speeds predict no gain, so the shares cannot flip back and
+  forth between two roundings.
+- ``step_split(num_samples, global_batch, step, shares, drop_last)``: the global batch of
+  ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
+  takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch
+  (``T < B`` samples) is split in proportion to the shares; one smaller than the world rides
+  with the last full batch instead, so every rank has a sample at every step. So every index is seen exactly once per epoch, also when the shares
+  change between two steps, and a resumed epoch only needs its step number.
+- ``steps_per_epoch(num_samples, global_batch, world, drop_last)``; ``remeasure_due(step,
+  every, calibration_steps)``: after which optimizer steps the speeds are compared.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["decide_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time", "steps_per_epoch"]
+
+
+def proportional_shares(weights: Sequence[float], total: int, minimum: int = 1) -> tuple[int, ...]:
+    """Integer shares of ``total`` in proportion to ``weights`` (each >= ``minimum``). Raises
+    ``ValueError`` naming the value when no such split exists."""
+    count = len(weights)
+    if count == 0:
+        raise ValueError("weights is empty; give one weight per rank")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"weights {list(weights)} must be finite and >= 0")
+    if total < minimum * count:
+        raise ValueError(f"total {total} cannot give {count} ranks at least {minimum} each; "
+                         f"a global batch of at least {minimum * count} is needed")
+    weight_sum = sum(weights)
+    ideal = [total * w / weight_sum if weight_sum > 0 else total / count for w in weights]
+    shares = [max(minimum, math.floor(x)) for x in ideal]
+    # hand out (or take back) one at a time by the largest remainder: Hamilton's method
+    while sum(shares) < total:
+        best = max(range(count), key=lambda i: (ideal[i] - shares[i], -i))
+        shares[best] += 1
+    while sum(shares) > total:
+        best = max((i for i in range(count) if shares[i] > minimum), key=lambda i: (shares[i] - ideal[i], -i))
+        shares[best] -= 1
+    return tuple(shares)
+
+
+def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
+    """Predicted seconds of a step: the slowest rank's ``share / speed`` (speeds in samples/s)."""
+    return max((b / s if s > 0 else math.inf) if b else 0.0 for b, s in zip(shares, speeds))
+
+
+def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float) -> tuple[int, ...] | None:
+    """New shares (same total) in proportion to ``speeds`` when they predict a step at least
+    ``threshold`` (a fraction) faster than ``shares`` do; else None. A rank without a measured
+    speed (0) keeps the split as it is."""
+    if len(shares) != len(speeds):
+        raise ValueError(f"{len(shares)} shares but {len(speeds)} speeds; give one speed per rank")
+    if any(s <= 0 or not math.isfinite(s) for s in speeds):
+        return None
+    proposed = proportional_shares(speeds, sum(shares))
+    if proposed == tuple(shares):
+        return None
+    now, then = step_time(shares, speeds), step_time(proposed, speeds)
+    return proposed if then <= now * (1.0 - threshold) else None
+
+
+def remeasure_due(step: int, every: int, calibration_steps: int) -> bool:
+    """Whether speeds are compared after optimizer step ``step`` (1-based): first after the
+    ``calibration_steps``, then every ``every`` steps."""
+    return step == calibration_steps or (step > calibration_steps and (step - calibration_steps) % every == 0)
+
+
+def _epoch_shape(num_samples: int, global_batch: int, world: int, drop_last: bool) -> tuple[int, int]:
+    """``(steps, size of the last step)``. A remainder smaller than the world joins the last full
+    batch (so that every rank gets a sample of every step and no sample is left out)."""
+    if global_batch < world:
+        raise ValueError(f"global batch {global_batch} is smaller than the world {world}; "
+                         "every rank needs at least one sample per step")
+    if num_samples < world:
+        raise ValueError(f"{num_samples} samples cannot be split over {world} ranks")
+    full, rest = divmod(num_samples, global_batch)
+    if drop_last:
+        if full == 0:
+            raise ValueError(f"{num_samples} samples hold no whole global batch of {global_batch} (drop_last)")
+        return full, global_batch
+    if rest == 0:
+        return full, global_batch
+    if rest >= world or full == 0:
+        return full + 1, rest
+    return full, global_batch + rest
+
+
+def steps_per_epoch(num_samples: int, global_batch: int, world: int, drop_last: bool = False) -> int:
+    """Steps of an epoch (see ``step_split``). Raises ``ValueError`` naming impossible sizes."""
+    return _epoch_shape(num_samples, global_batch, world, drop_last)[0]
+
+
+def step_split(num_samples: int, global_batch: int, step: int, shares: Sequence[int],
+               drop_last: bool = False) -> tuple[tuple[int, int], ...]:
+    """Each rank's ``(start, stop)`` into the epoch's order for ``step`` (0-based in the epoch).
+
+    Step ``s`` covers ``order[s*B : s*B + size]``; ``size`` is ``B`` except at the last step: the
+    remainder (``T`` samples), or ``B + T`` when ``T`` is smaller than the world (then it rides
+    with the last full batch), or nothing left over with ``drop_last``. A step of another size
+    than ``B`` is split in proportion to ``shares``. Raises ``ValueError`` for a step past the
+    epoch or shares that do not sum to the batch."""
+    if sum(shares) != global_batch:
+        raise ValueError(f"shares {list(shares)} sum to {sum(shares)}, not the global batch {global_batch}")
+    steps, last_size = _epoch_shape(num_samples, global_batch, len(shares), drop_last)
+    if not 0 <= step < steps:
+        raise ValueError(f"step {step} is outside the epoch's {steps} steps ({num_samples} samples, "
+                         f"global batch {global_batch})")
+    size = last_size if step == steps - 1 else global_batch
+    if size != global_batch:
+        shares = proportional_shares(shares, size)
+    out, offset = [], step * global_batch
+    for share in shares:
+        out.append((offset, offset + share))
+        offset += share
+    return tuple(out)
