@@ -38,10 +38,23 @@ def add_metrics(s: Session, job: JobRow, batch: MetricBatch) -> list[MetricRecor
     return fresh
 
 
+PER_RANK_KEYS = ("share", "measured_samples_per_s", "idle_fraction")  # what `relay status` shows per rank
+
+
 def last_metrics(previous: dict[str, Any] | None, fresh: list[MetricRecord]) -> dict[str, Any]:
-    """The job's last metrics after ``fresh`` points (not empty): the lowest rank's newest step."""
+    """The job's last metrics after ``fresh`` points (not empty): the lowest rank's newest step;
+    under ``ranks``, each rank's newest ``PER_RANK_KEYS`` (a balanced job's shares and speeds, any
+    data-parallel job's idle fraction)."""
     latest = min(fresh, key=lambda r: (r.rank, -r.step))
-    return {**(previous or {}), **latest.values, "step": latest.step, "time": latest.time}
+    ranks = dict((previous or {}).get("ranks") or {})
+    for record in sorted(fresh, key=lambda r: (r.rank, r.step)):
+        picked = {k: record.values[k] for k in PER_RANK_KEYS if k in record.values}
+        if picked:
+            ranks[str(record.rank)] = {**ranks.get(str(record.rank), {}), **picked}
+    out = {**(previous or {}), **latest.values, "step": latest.step, "time": latest.time}
+    if ranks:
+        out["ranks"] = ranks
+    return out
 
 
 def log_page(s: Session, job: JobRow, after: int, rank: int | None, limit: int) -> LogPage:

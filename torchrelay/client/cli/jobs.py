@@ -35,6 +35,22 @@ def ls(state: str = typer.Option(None, "--state", help="only jobs in these state
     console.print(table)
 
 
+def rank_lines(ranks: dict) -> list[str]:
+    """Each rank's share of the global batch, measured speed and idle time (pure)."""
+    out = []
+    for rank in sorted(ranks, key=int):
+        figures = ranks[rank]
+        parts = [f"rank {rank}:"]
+        if "share" in figures:
+            parts.append(f"share {figures['share']:.0f}")
+        if "measured_samples_per_s" in figures:
+            parts.append(f"{figures['measured_samples_per_s']:.0f} samples/s")
+        if "idle_fraction" in figures:
+            parts.append(f"idle {figures['idle_fraction']:.0%} of the step in the all-reduce")
+        out.append("  ".join(parts))
+    return out
+
+
 @handle_errors
 def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> None:
     """Show a job: state, placement, restarts, failure (rank, exit code, last lines), metrics, events."""
@@ -58,8 +74,10 @@ def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> Non
         console.print(f"  waiting: {j.waiting_reason}")
     if j.last_metrics:
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in j.last_metrics.items() if k != "time")
+                          for k, v in j.last_metrics.items() if k not in ("time", "ranks"))
         console.print(f"  last metrics: {shown}", highlight=False)
+        for line in rank_lines(j.last_metrics.get("ranks") or {}):
+            console.print(f"    {line}", highlight=False)
     for i, r in enumerate(j.restart_reasons, 1):
         console.print(f"  restart {i}: {r.reason}" + (f" on {r.node}" if r.node else ""), highlight=False)
     if j.failure and j.state.value in ("FAILED", "RESTARTING"):
