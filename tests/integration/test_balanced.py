@@ -169,6 +169,36 @@ def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
             "metrics": {k: v for k, v in current_session().hooks.metrics().items()}}
 
 
+def scenario_idle(rank: int, x, y) -> dict:
+    """Plain DDP and local SGD (no balancing): rank 1 spends 40 ms more per step before its
+    backward; each rank's idle seconds in the all-reduce over 8 steps (after the first)."""
+    import time
+
+    import torch.nn.functional as F
+
+    from torchrelay.spec import DDPStrategy, LocalSGDStrategy
+
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy()), ("local_sgd", LocalSGDStrategy(kind="local_sgd", every=1))):
+        model, optimizer = _fresh(strategy)
+        idle, fractions = 0.0, []
+        for step in range(9):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[:32]), y[:32])
+            if rank == 1:
+                until = time.perf_counter() + 0.04
+                while time.perf_counter() < until:
+                    pass
+            loss.backward()
+            optimizer.step()
+            metrics = optimizer.metrics()
+            if step:
+                idle += metrics["allreduce_wait_s"]
+                fractions.append(metrics["idle_fraction"])
+        out[name] = {"idle_s": idle, "fractions": fractions}
+    return out
+
+
 def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
     import torch
 
@@ -182,7 +212,8 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
     x, y = data()
     try:
         result = {"gradients": scenario_gradients(rank, x, y), "coverage": scenario_coverage(rank, x, y),
-                  "local_sgd": scenario_local_sgd(rank, x, y), "resume": scenario_resume(rank, x, y, out_dir)}
+                  "local_sgd": scenario_local_sgd(rank, x, y), "idle": scenario_idle(rank, x, y),
+                  "resume": scenario_resume(rank, x, y, out_dir)}
         (Path(out_dir) / f"{scenario}-{rank}.json").write_text(json.dumps(result))
     finally:
         rt.shutdown()
@@ -243,6 +274,14 @@ def test_balanced_local_sgd_averages_by_samples(ranks):
 def test_kill_and_resume_mid_epoch_gives_the_same_parameters(ranks):
     for rank in ranks:
         assert rank["resume"]["max_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "local_sgd"])
+def test_idle_time_in_the_allreduce_is_reported_for_plain_data_parallel(ranks, strategy):
+    """The rank that waits for a slower peer reports the wait: about 40 ms a step over 8 steps."""
+    fast, slow = (r["idle"][strategy] for r in ranks)
+    assert fast["idle_s"] > slow["idle_s"] + 8 * 0.02
+    assert all(0.0 <= f <= 1.0 for f in fast["fractions"] + slow["fractions"])
 
 
 def test_the_step_reports_share_and_idle(ranks):

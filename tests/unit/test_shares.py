@@ -54,17 +54,27 @@ def test_proportional_shares_property():
             assert all(g <= x + 1 or g == 1 for g, x in zip(got, ideal)), (weights, total, got)
 
 
-@pytest.mark.parametrize("shares, speeds, threshold, expected", [
-    ((32, 32), (100.0, 50.0), 0.1, (43, 21)),    # 2:1 speeds: 0.64 s -> 0.43 s a step
-    ((43, 21), (100.0, 50.0), 0.1, None),        # already balanced: nothing to gain
-    ((43, 21), (100.0, 55.0), 0.1, None),        # a 10 % wobble predicts < 10 % gain: kept
-    ((43, 21), (100.0, 100.0), 0.1, (32, 32)),   # the slow one became fast
-    ((32, 32), (100.0, 96.0), 0.1, None),        # rounding neighbours never flip back and forth
-    ((32, 32), (100.0, 0.0), 0.1, None),         # a rank without a measurement: keep the split
-    ((2, 2), (1000.0, 1.0), 0.1, (3, 1)),        # the floor of one sample each
+@pytest.mark.parametrize("shares, speeds, pending, expected", [
+    ((32, 32), (100.0, 50.0), None, S.Resplit(shares=(43, 21))),     # 2:1 speeds: 0.64 s -> 0.43 s, at once
+    ((43, 21), (100.0, 50.0), None, S.Resplit()),                    # already balanced: nothing to gain
+    ((43, 21), (100.0, 55.0), None, S.Resplit()),                    # a 10 % wobble: < 10 % gain, kept
+    ((43, 21), (100.0, 100.0), None, S.Resplit(shares=(32, 32))),    # the slow one became fast
+    ((32, 32), (100.0, 96.0), None, S.Resplit()),                    # rounding neighbours never flip
+    ((32, 32), (100.0, 0.0), None, S.Resplit()),                     # a rank without a measurement
+    ((2, 2), (1000.0, 1.0), None, S.Resplit(shares=(3, 1))),         # the floor of one sample each
+    # a 10-20 % gain waits for a second window that agrees
+    ((32, 32), (100.0, 75.0), None, S.Resplit(pending=(37, 27))),
+    ((32, 32), (100.0, 72.0), (37, 27), S.Resplit(shares=(37, 27))),
+    ((32, 32), (75.0, 100.0), (37, 27), S.Resplit(pending=(27, 37))),  # the other way: not confirmed
+    ((32, 32), (100.0, 95.0), (37, 27), S.Resplit()),                  # the drift went away
 ])
-def test_decide_resplit_table(shares, speeds, threshold, expected):
-    assert S.decide_resplit(shares, speeds, threshold) == expected
+def test_decide_resplit_table(shares, speeds, pending, expected):
+    assert S.decide_resplit(shares, speeds, 0.1, pending) == expected
+
+
+def test_decide_resplit_refuses_a_speed_per_rank_missing():
+    with pytest.raises(ValueError, match="2 shares but 1 speeds"):
+        S.decide_resplit((1, 1), (1.0,), 0.1)
 
 
 @pytest.mark.parametrize("shares, speeds, seconds", [((43, 21), (100.0, 50.0), 0.43), ((1, 0), (1.0, 0.0), 1.0)])
@@ -147,16 +157,17 @@ def simulate(true_speed, *, steps, every, threshold, calibration=3, global_batch
     world = len(true_speed(0))
     shares = S.proportional_shares([1] * world, global_batch)
     window = [[] for _ in range(world)]
-    history, resplits = [], []
+    history, resplits, pending = [], [], None
     for step in range(1, steps + 1):
         for rank, speed in enumerate(true_speed(step)):
             window[rank].append(speed * (1 + rng.uniform(-noise, noise)))
         if S.remeasure_due(step, every, calibration):
             measured = [sum(w) / len(w) for w in window]
             window = [[] for _ in range(world)]
-            new = S.decide_resplit(shares, measured, threshold)
-            if new is not None:
-                shares = new
+            outcome = S.decide_resplit(shares, measured, threshold, pending)
+            pending = outcome.pending
+            if outcome.shares is not None:
+                shares = outcome.shares
                 resplits.append(step)
         history.append(shares)
     return history, resplits
@@ -179,3 +190,12 @@ def test_a_slow_worker_that_becomes_fast_resplits_within_2k_and_does_not_oscilla
 def test_noise_below_the_threshold_never_moves_the_shares():
     _, resplits = simulate(lambda s: (100.0, 50.0), steps=2000, every=10, threshold=0.1, noise=0.08)
     assert resplits == [3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_drift_that_persists_moves_the_shares_one_window_of_noise_does_not(seed):
+    # rank 1 slows by 25 % for good at step 300; at step 100 one window is 25 % slow by chance
+    speed = lambda s: (100.0, 50.0 * (0.75 if s > 300 or 100 < s <= 110 else 1.0))  # noqa: E731
+    history, resplits = simulate(speed, steps=600, every=10, threshold=0.1, noise=0.02, seed=seed)
+    assert [s for s in resplits if s <= 300] == [3]
+    assert len([s for s in resplits if s > 300]) == 1 and history[-1] == S.proportional_shares([100, 37.5], 64)

@@ -15,7 +15,7 @@ Contract:
   (``mine / total``) and its parameters (its samples since the last parameter sync over
   everyone's) carry, and ``after_step(step, compute_s)``: after the calibration steps and every
   ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
-  (``shares.decide_resplit``, the threshold being the hysteresis) and broadcasts the shares, which
+  (``shares.decide_resplit``: its thresholds are the hysteresis) and broadcasts the shares, which
   the next batch uses. Collective at those steps (every rank calls ``after_step`` at every step:
   the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the
   re-split count (``TrainState`` saves them, so a resumed job continues with the same split).
@@ -116,6 +116,7 @@ class Balancer:
         self.current = (0, 0)  # (this rank's samples, everyone's) of the batch being trained
         self._window = [0, 0.0]  # this rank's samples and compute seconds since the last measurement
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
+        self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
 
     def set_global_batch(self, global_batch: int) -> None:
         """The global batch ``B``; an even split unless shares for this ``B`` are known."""
@@ -158,7 +159,10 @@ class Balancer:
         if self.world > 1:
             dist.all_reduce(speeds)
         self.speeds = tuple(float(x) for x in speeds)
-        new = S.decide_resplit(self.shares, self.speeds, self.threshold) if self.rank == 0 else None
+        new = None
+        if self.rank == 0:
+            outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending)
+            new, self._pending = outcome.shares, outcome.pending
         decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)
         if self.world > 1:
             dist.broadcast(decided, src=0)

@@ -5,11 +5,12 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   that sum to ``total``, each at least ``minimum`` (largest remainders; ties to the lower rank).
 - ``step_time(shares, speeds)``: the predicted time of a step, the slowest rank's
   ``share / speed``.
-- ``decide_resplit(shares, speeds, threshold)``: the shares in proportion to ``speeds`` when
-  they would make a step at least ``threshold`` faster than the current ones predict, else
-  None. This dead band is the hysteresis: speeds that wobble by less never move the shares,
-  and after a re-split the same speeds predict no gain, so the shares cannot flip back and
-  forth between two roundings.
+- ``decide_resplit(shares, speeds, threshold, pending)``: the shares in proportion to
+  ``speeds`` when they would make a step at least ``2 × threshold`` faster than the current
+  ones predict (at once), or at least ``threshold`` faster twice in a row, the same way; else
+  none. This is the hysteresis: speeds that wobble by less than the threshold never move the
+  shares, a single noisy window cannot either, and after a re-split the same speeds predict no
+  gain, so the shares cannot flip back and forth between two roundings.
 - ``step_split(num_samples, global_batch, step, shares, drop_last)``: the global batch of
   ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
   takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch
@@ -23,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["decide_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time", "steps_per_epoch"]
+__all__ = ["Resplit", "decide_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time", "steps_per_epoch"]
 
 
 def proportional_shares(weights: Sequence[float], total: int, minimum: int = 1) -> tuple[int, ...]:
@@ -56,19 +58,41 @@ def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
     return max((b / s if s > 0 else math.inf) if b else 0.0 for b, s in zip(shares, speeds))
 
 
-def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float) -> tuple[int, ...] | None:
-    """New shares (same total) in proportion to ``speeds`` when they predict a step at least
-    ``threshold`` (a fraction) faster than ``shares`` do; else None. A rank without a measured
-    speed (0) keeps the split as it is."""
+@dataclass(frozen=True, slots=True)
+class Resplit:
+    """A comparison's outcome: ``shares`` to use from the next step (None: keep them), and a
+    smaller proposal ``pending`` confirmation by the next comparison (None: none)."""
+
+    shares: tuple[int, ...] | None = None
+    pending: tuple[int, ...] | None = None
+
+
+def _same_direction(a: Sequence[int], b: Sequence[int], shares: Sequence[int]) -> bool:
+    return all((x > s) == (y > s) and (x < s) == (y < s) for x, y, s in zip(a, b, shares))
+
+
+def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float,
+                   pending: Sequence[int] | None = None) -> Resplit:
+    """Compare the split with ``speeds`` (samples/s of each rank over the last window).
+
+    The split in proportion to ``speeds`` is taken at once when it predicts a step at least
+    ``2 × threshold`` faster (a worker really changed speed); one that predicts between
+    ``threshold`` and that only when the previous comparison proposed a move the same way
+    (``pending``: a drift that persists, not one window's noise); below ``threshold``, never.
+    A rank without a measured speed (0) keeps the split as it is."""
     if len(shares) != len(speeds):
         raise ValueError(f"{len(shares)} shares but {len(speeds)} speeds; give one speed per rank")
     if any(s <= 0 or not math.isfinite(s) for s in speeds):
-        return None
+        return Resplit()
     proposed = proportional_shares(speeds, sum(shares))
     if proposed == tuple(shares):
-        return None
-    now, then = step_time(shares, speeds), step_time(proposed, speeds)
-    return proposed if then <= now * (1.0 - threshold) else None
+        return Resplit()
+    gain = 1.0 - step_time(proposed, speeds) / step_time(shares, speeds)
+    if gain < threshold:
+        return Resplit()
+    if gain >= 2 * threshold or (pending is not None and _same_direction(pending, proposed, shares)):
+        return Resplit(shares=proposed)
+    return Resplit(pending=proposed)
 
 
 def remeasure_due(step: int, every: int, calibration_steps: int) -> bool:

@@ -1,0 +1,199 @@
+"""Heterogeneous data parallel: two workers of different speed, plain DDP against balanced.
+
+An embedded cluster of two agents on this machine, one offering ``--cpus 1`` and one
+``--cpus 0.5`` (enforced by the agents' cgroups: docs/agent.md; run as root), trains the
+digits CNN (examples/digits) with the same global batch and seed in every run:
+
+- solo: one worker on each agent alone, with half the global batch: each worker's throughput;
+- plain: ``strategy: {kind: ddp}`` on the pair (every rank half the batch: the slow one sets
+  the pace);
+- balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
+- lifted: balanced again, and mid-run the slow agent's CPU quota is raised to 1 cpu (its
+  cgroup, written here): how many steps until its shares settle.
+
+Throughput is samples/s of the global batch over the steps after a warm-up; time to loss is
+wall time from the first step until the loss (an exponential average) falls below
+``--target-loss``. No sleep anywhere in the training code: the speed difference is the cgroup's.
+
+    sudo .venv/bin/python bench/hetero.py [--steps 300] [--batch 128]
+
+Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
+balanced / plain, "time_to_loss_ratio": balanced / plain, "resettle_steps": steps from the lift
+to the last re-split (balance_every K is printed beside it)}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import header_line, package_versions, result_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EVERY = 20  # balance_every (K)
+
+TRAIN = '''
+import argparse, json, time
+import torch, torch.nn.functional as F
+import torchrelay.train as rt
+from model import DigitsCNN, load_split
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int); p.add_argument("--batch", type=int); p.add_argument("--target-loss", type=float)
+args = p.parse_args()
+ctx = rt.init()
+torch.manual_seed(0)
+train_set, _ = load_split(0)
+model = DigitsCNN()
+model, optimizer = rt.prepare(model, torch.optim.Adam(model.parameters(), lr=2e-3))
+loader = rt.shard(train_set, batch_size=args.batch // ctx.world_size, seed=0)
+step, epoch, warm, ema, reached = 0, 0, 10, None, None
+start = t_warm = time.perf_counter()
+while step < args.steps:
+    loader.sampler.set_epoch(epoch)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if reached is None and ema < args.target_loss:
+            reached = time.perf_counter() - start
+        if step == warm:
+            t_warm = time.perf_counter()
+        rt.report(step, loss=loss.item(), batch=len(y))
+        if step >= args.steps:
+            break
+    epoch += 1
+elapsed = time.perf_counter() - t_warm
+if ctx.is_main:
+    print("BENCH " + json.dumps({"samples_per_s": (args.steps - warm) * args.batch / elapsed,
+                                 "time_to_loss_s": reached}), flush=True)
+rt.shutdown()
+'''
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="steps of each run")
+    parser.add_argument("--lift-steps", type=int, default=400, help="steps of the run whose slow worker is lifted")
+    parser.add_argument("--batch", type=int, default=128, help="the global batch")
+    parser.add_argument("--target-loss", type=float, default=0.35)
+    return parser.parse_args(argv)
+
+
+def agent_cpu_dir(pid: int) -> Path:
+    from torchrelay.agent import cgroups
+
+    return Path(cgroups.detect().dir_of("cpu")) / f"torchrelay-agent-{pid}"
+
+
+def run_job(client, code: Path, args, *, strategy: dict, workers: int, label: str | None, steps: int,
+            on_point=None) -> tuple[dict, list]:
+    """Submit one run, follow its metrics (``on_point(point)`` for each), return its BENCH line and points."""
+    from torchrelay.spec import JobSpec, JobState
+
+    spec = {"name": f"hetero-{strategy.get('balance', 'plain')}", "workdir": ".", "resources": {"cpu": 0.5},
+            "entrypoint": f"python train.py --steps {steps} --batch {args.batch} --target-loss {args.target_loss}",
+            "strategy": strategy}
+    spec.update({"nodes": 2, "workers_per_node": 1} if workers == 2 else {"workers": 1, "labels": {"speed": label}})
+    info = client.submit(JobSpec.parse(spec), base_dir=code)
+    points, after = [], 0
+    while True:
+        page = client.metrics(info.id, after=after, wait=2)
+        after = page.next_after
+        for point in page.points:
+            points.append(point)
+            if on_point:
+                on_point(point)
+        if page.job_state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED) and not page.points:
+            break
+    final = client.wait(info.id, timeout=60)
+    if final.state != JobState.SUCCEEDED:
+        raise RuntimeError(f"{info.id} {final.state.value}: {final.failure}")
+    line = next(x.text for x in client.iter_logs(info.id, rank=0) if x.text.startswith("BENCH "))
+    return json.loads(line.split(" ", 1)[1]), points
+
+
+def settle_steps(points: list, lifted_at: float) -> tuple[int | None, list]:
+    """Steps from the first step after the lift to rank 0's last change of share after it."""
+    mine = sorted((p for p in points if p.rank == 0 and "share" in p.values), key=lambda p: p.step)
+    after = [p for p in mine if p.time >= lifted_at]
+    if not after:
+        return None, []
+    changes = [b.step for a, b in zip(mine, mine[1:]) if b.values["share"] != a.values["share"] and b.time >= lifted_at]
+    return (changes[-1] - after[0].step if changes else 0), changes
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from torchrelay.client.cluster import AgentOptions, start_cluster, stop_cluster
+    from torchrelay.client.sdk import RelayClient
+
+    versions = package_versions(("torch",))
+    print(header_line(versions))
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; global batch {args.batch}; "
+          f"K={EVERY}; agents --cpus 1 and --cpus 0.5")
+    home = Path(tempfile.mkdtemp(prefix="relay-hetero-"))
+    code = home / "code"
+    code.mkdir()
+    shutil.copy(REPO / "examples" / "digits" / "model.py", code / "model.py")
+    (code / "train.py").write_text(TRAIN)
+    cluster = start_cluster(2, home=home / "relay", agent_options=[
+        AgentOptions(cpus=1, labels={"speed": "fast"}), AgentOptions(cpus=0.5, labels={"speed": "slow"})])
+    try:
+        slow_dir = agent_cpu_dir(cluster.pids[2])
+        assert (slow_dir / "cpu.cfs_quota_us").read_text().strip() == "50000", f"no 0.5 cpu quota in {slow_dir}"
+        rows = {}
+        with RelayClient(cluster.address) as client:
+            for label in ("fast", "slow"):
+                rows[f"solo {label}"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=1,
+                                                   label=label, steps=args.steps)
+            rows["plain ddp"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=2, label=None,
+                                           steps=args.steps)
+            balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
+            rows["balanced ddp"], points = run_job(client, code, args, strategy=balanced, workers=2, label=None,
+                                                   steps=args.steps)
+            shares = sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
+            lift = {"at": None}
+
+            def lift_at_step(point) -> None:
+                if lift["at"] is None and point.step >= args.lift_steps // 3:
+                    (slow_dir / "cpu.cfs_quota_us").write_text("100000")
+                    lift["at"] = time.time()
+
+            rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,
+                                                              label=None, steps=args.lift_steps, on_point=lift_at_step)
+        resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
+    finally:
+        stop_cluster(cluster.home)
+        shutil.rmtree(home, ignore_errors=True)
+    print(f"{'run':<20} {'samples/s':>10} {'time to loss':>14}")
+    for name, row in rows.items():
+        ttl = f"{row['time_to_loss_s']:.2f} s" if row["time_to_loss_s"] is not None else "not reached"
+        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}")
+    solo_sum = rows["solo fast"]["samples_per_s"] + rows["solo slow"]["samples_per_s"]
+    balanced_rate, plain_rate = rows["balanced ddp"]["samples_per_s"], rows["plain ddp"]["samples_per_s"]
+    ttl_b, ttl_p = rows["balanced ddp"]["time_to_loss_s"], rows["plain ddp"]["time_to_loss_s"]
+    result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
+              "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
+              "resettle_steps": resettle}
+    print(f"balanced / (solo fast + solo slow) = {result['vs_sum_solo']}  (goal >= 0.9)")
+    print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
+    print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
+    print(f"rank 0's shares in the balanced run after step 40: {shares}")
+    print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; settled {resettle} steps after "
+          f"(goal <= 2K = {2 * EVERY})")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(result_line(result, versions))
+
+
+if __name__ == "__main__":
+    main()
