@@ -4,7 +4,8 @@ An embedded cluster of two agents on this machine, one offering ``--cpus 1`` and
 ``--cpus 0.5`` (enforced by the agents' cgroups: docs/agent.md; run as root), trains the
 digits CNN (examples/digits) with the same global batch and seed in every run:
 
-- solo: one worker on each agent alone, with half the global batch: each worker's throughput;
+- solo: one worker on each agent alone, with half the global batch: each worker's throughput
+  (its time to loss is not comparable: it trains on half the batch);
 - plain: ``strategy: {kind: ddp}`` on the pair (every rank half the batch: the slow one sets
   the pace);
 - balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
@@ -100,8 +101,9 @@ def run_job(client, code: Path, args, *, strategy: dict, workers: int, label: st
     """Submit one run, follow its metrics (``on_point(point)`` for each), return its BENCH line and points."""
     from torchrelay.spec import JobSpec, JobState
 
+    batch = args.batch if workers == 2 else args.batch // 2  # a solo worker trains the pair's even share
     spec = {"name": f"hetero-{strategy.get('balance', 'plain')}", "workdir": ".", "resources": {"cpu": 0.5},
-            "entrypoint": f"python train.py --steps {steps} --batch {args.batch} --target-loss {args.target_loss}",
+            "entrypoint": f"python train.py --steps {steps} --batch {batch} --target-loss {args.target_loss}",
             "strategy": strategy}
     spec.update({"nodes": 2, "workers_per_node": 1} if workers == 2 else {"workers": 1, "labels": {"speed": label}})
     info = client.submit(JobSpec.parse(spec), base_dir=code)

@@ -302,10 +302,9 @@ def sweep_dead_agents(layout: Layout) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: its agent will never close its group)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
