@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             optimizer.step()
             now = time.perf_counter()
-            rt.report(state.step, loss=loss.item(), samples_per_s=len(labels) * ctx.world_size / (now - last),
+            rt.report(state.step, loss=loss.item(), samples_per_s=args.batch_size * ctx.world_size / (now - last),
                       step_time_s=now - last, total_steps=total_steps, epoch=epoch)
             last = now
             if checkpoint_due(state.step):

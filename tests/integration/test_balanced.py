@@ -291,5 +291,28 @@ def test_the_step_reports_share_and_idle(ranks):
         assert metrics["share"] >= 1 and metrics["measured_samples_per_s"] > 0
 
 
+@pytest.mark.slow  # a cluster, two torchruns and an epoch: about 40 s on a quiet machine, 2 min at load 10
+def test_a_balanced_job_through_the_platform(cluster_factory):
+    """The digits example, unchanged, under balance: throughput on two agents: it succeeds, and
+    the job's summary holds each rank's share (summing to the global batch) and idle time."""
+    from torchrelay.client.cli.jobs import rank_lines
+    from torchrelay.client.sdk import RelayClient
+    from torchrelay.spec import JobSpec, JobState
+
+    digits = Path(__file__).resolve().parents[2] / "examples" / "digits"
+    cluster = cluster_factory(2)
+    with RelayClient(cluster.address) as client:
+        spec = JobSpec.parse({"name": "digits-balanced", "entrypoint": "python train.py --epochs 1 --batch-size 32",
+                              "nodes": 2, "workers_per_node": 1, "resources": {"cpu": 1, "memory": "1GiB"},
+                              "strategy": {"kind": "ddp", "balance": "throughput", "balance_every": 5}})
+        final = client.wait(client.submit(spec, base_dir=digits).id, timeout=180)
+    assert final.state == JobState.SUCCEEDED, final.failure
+    ranks = final.last_metrics["ranks"]
+    assert sorted(ranks) == ["0", "1"]
+    assert ranks["0"]["share"] + ranks["1"]["share"] == 64
+    assert all(0.0 <= r["idle_fraction"] <= 1.0 and r["measured_samples_per_s"] > 0 for r in ranks.values())
+    assert [line.split(":")[0] for line in rank_lines(ranks)] == ["rank 0", "rank 1"]
+
+
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
