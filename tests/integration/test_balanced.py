@@ -110,14 +110,19 @@ def scenario_coverage(rank: int, x, y) -> dict:
     return {"seen": seen, "sizes": sizes, "steps": len(loader)}
 
 
-def scenario_local_sgd(rank: int, x, y) -> list:
-    """Local SGD every 2 steps on shares (43, 21): the parameters after 4 steps."""
+def scenario_local_sgd(rank: int, x, y, kind: str = "local_sgd") -> list:
+    """Local SGD every 2 steps on shares (43, 21) (or DiLoCo with outer lr 1 and no momentum,
+    which is the same): the parameters after 4 steps."""
     import torch.nn.functional as F
 
-    from torchrelay.spec import LocalSGDStrategy
+    from torchrelay.spec import DiLoCoStrategy, LocalSGDStrategy
 
-    model, optimizer = _fresh(LocalSGDStrategy(kind="local_sgd", every=2, balance="throughput",
-                                               balance_threshold=0.99))
+    if kind == "local_sgd":
+        strategy = LocalSGDStrategy(kind="local_sgd", every=2, balance="throughput", balance_threshold=0.99)
+    else:
+        strategy = DiLoCoStrategy(kind="diloco", every=2, outer_lr=1.0, outer_momentum=0.0, balance="throughput",
+                                  balance_threshold=0.99)
+    model, optimizer = _fresh(strategy)
     balancer = optimizer.balancer
     balancer.set_global_batch(GLOBAL_BATCH)
     balancer.shares = (43, 21)
@@ -212,8 +217,11 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
     x, y = data()
     try:
         result = {"gradients": scenario_gradients(rank, x, y), "coverage": scenario_coverage(rank, x, y),
-                  "local_sgd": scenario_local_sgd(rank, x, y), "idle": scenario_idle(rank, x, y),
+                  "local_sgd": scenario_local_sgd(rank, x, y), "diloco": scenario_local_sgd(rank, x, y, "diloco"),
+                  "idle": scenario_idle(rank, x, y),
                   "resume": scenario_resume(rank, x, y, out_dir)}
+        if rank == 0:
+            result["reference"] = local_sgd_reference(x, y)
         (Path(out_dir) / f"{scenario}-{rank}.json").write_text(json.dumps(result))
     finally:
         rt.shutdown()
@@ -245,11 +253,11 @@ def test_every_sample_once_per_epoch_across_a_resplit(ranks):
     assert (sizes[0][-1], sizes[1][-1]) == (4, 1)  # the 5 left, in proportion to (50, 14)
 
 
-def test_balanced_local_sgd_averages_by_samples(ranks):
+def local_sgd_reference(x, y) -> list:
+    """Two replicas in one process on shares (43, 21), averaged every 2 steps by samples."""
     import torch
     import torch.nn.functional as F
 
-    x, y = data()
     replicas = [make_model(), make_model()]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
     shares, starts = (43, 21), (0, 43)
@@ -265,10 +273,17 @@ def test_balanced_local_sgd_averages_by_samples(ranks):
                     mean = (a * 43 * 2 + b * 21 * 2) / (64 * 2)
                     a.copy_(mean)
                     b.copy_(mean)
-    expected = [p.detach() for p in replicas[0].parameters()]
+    return [p.detach().tolist() for p in replicas[0].parameters()]
+
+
+@pytest.mark.parametrize("kind", ["local_sgd", "diloco"])
+def test_balanced_local_sgd_and_diloco_average_by_samples(ranks, kind):
+    import torch
+
+    expected = ranks[0]["reference"]  # computed by rank 0 alone, in one process
     for rank in ranks:
-        for got, want in zip(rank["local_sgd"], expected):
-            assert torch.allclose(torch.tensor(got), want, atol=1e-6)
+        for got, want in zip(rank[kind], expected):
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
 
 
 def test_kill_and_resume_mid_epoch_gives_the_same_parameters(ranks):
