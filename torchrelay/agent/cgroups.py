@@ -219,10 +219,10 @@ class AgentCgroups:
         self.limits = limits
         self.name = plan.agent_group_name(os.getpid() if pid is None else pid, next(_instances))
         self.dirs = plan.group_dirs(layout, self.name)
-        memory_parent = layout.dir_of("memory")
-        self.swap_files = (os.path.exists(f"{memory_parent}/memory.memsw.limit_in_bytes") if layout.version == 1
-                           else os.path.exists(f"{memory_parent}/memory.swap.max")
-                           or not os.path.exists(f"{memory_parent}/cgroup.procs"))
+        # whether swap is accounted (then it may not stretch a memory limit); v2: known once
+        # the group exists with the memory controller enabled for it (``open``)
+        self.swap_files = layout.version == 1 and os.path.exists(
+            f"{layout.dir_of('memory')}/memory.memsw.limit_in_bytes")
         self._launches: dict[int, LaunchCgroup] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -239,7 +239,10 @@ class AgentCgroups:
         for directory in group.dirs:
             os.makedirs(directory, exist_ok=True)
         try:
-            _apply(plan.plan_group(layout, (group.name,), group.limits, swap_files=group.swap_files, delegate=True))
+            if layout.version == 2:  # delegate first: the limits' files appear with the controllers
+                _apply(plan.plan_group(layout, (group.name,), Limits(), delegate=True))
+                group.swap_files = os.path.exists(f"{group.dirs[0]}/memory.swap.max")
+            _apply(plan.plan_group(layout, (group.name,), group.limits, swap_files=group.swap_files))
         except CgroupError:
             group.close()
             raise
