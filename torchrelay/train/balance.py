@@ -60,8 +60,9 @@ class StepTimes:
 class StepClock:
     """One rank's step times (see the module docstring)."""
 
-    def __init__(self, *, overlapped: bool) -> None:
+    def __init__(self, *, overlapped: bool, now: Callable[[], float] = time.perf_counter) -> None:
         self.overlapped = overlapped  # DDP: the all-reduce overlaps backward, waited for at its end
+        self._now = now
         self._start: float | None = None
         self._ready: float | None = None
         self._called: float | None = None
@@ -69,26 +70,26 @@ class StepClock:
         self.last: StepTimes | None = None
 
     def gradients_ready(self) -> None:
-        self._ready = time.perf_counter()
+        self._ready = self._now()
 
     @contextlib.contextmanager
     def in_collective(self) -> Iterator[None]:
-        began = time.perf_counter()
+        began = self._now()
         try:
             yield
         finally:
-            self._collective_s += time.perf_counter() - began
+            self._collective_s += self._now() - began
 
     def restart(self) -> None:
         """The next step starts now (after work that belongs to neither step)."""
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def step_called(self) -> None:
-        self._called = time.perf_counter()
+        self._called = self._now()
 
     def step_ended(self) -> StepTimes | None:
         """This step's times (None for the first step, which has no start)."""
-        now = time.perf_counter()
+        now = self._now()
         start, self._start = self._start, now
         called = self._called if self._called is not None else now
         ready = self._ready if (self.overlapped and self._ready is not None) else called
