@@ -213,3 +213,29 @@ def test_a_job_over_its_memory_restarts_then_fails_with_the_reason(cluster_facto
     assert final.restarts == 1
     assert any("memory limit 1 GiB exceeded" in (e.message or "") for e in final.events
                if e.state == JobState.RESTARTING)
+
+
+def test_an_agent_without_usable_cgroups_runs_unlimited_in_auto_and_refuses_in_on(tmp_path, monkeypatch):
+    """A hierarchy that refuses (here: the parent is a plain file) is a warning under "auto"
+    (the agent runs, without limits) and an error under "on"."""
+    from torchrelay.agent.daemon import Agent
+
+    nowhere = str(tmp_path / "no-hierarchy")  # nothing to sweep there
+    monkeypatch.setattr(cgroups, "detect", lambda parent=None: cgroups.plan.Layout(
+        1, (("cpu", nowhere), ("memory", nowhere))))
+    tmp_file = tmp_path / "file"
+    tmp_file.write_text("")
+    monkeypatch.setattr(cgroups.plan, "group_dirs", lambda layout, *names: (str(tmp_file / "x"),))
+    auto = Agent("http://127.0.0.1:9", name="n", cpus=1, gpus=0, memory=2**30, work_dir=tmp_path / "a",
+                 cgroups="auto")
+    auto._open_cgroups()
+    assert auto.cgroups is None
+    auto.server.close()
+    strict = Agent("http://127.0.0.1:9", name="n", cpus=1, gpus=0, memory=2**30, work_dir=tmp_path / "b",
+                   cgroups="on")
+    with pytest.raises(cgroups.CgroupError, match="cannot create cgroup"):
+        strict._open_cgroups()
+    strict.server.close()
+    with pytest.raises(ValueError, match="cgroups 'sometimes' is not one of auto, on, off"):
+        Agent("http://127.0.0.1:9", name="n", cpus=1, gpus=0, memory=2**30, work_dir=tmp_path / "c",
+              cgroups="sometimes")

@@ -236,8 +236,12 @@ class AgentCgroups:
         layout = detect(parent)
         sweep_dead_agents(layout)
         group = cls(layout, plan.agent_limits(cpus, memory))
-        for directory in group.dirs:
-            os.makedirs(directory, exist_ok=True)
+        try:
+            for directory in group.dirs:
+                os.makedirs(directory, exist_ok=True)  # a --cgroup-parent that is missing is made, and kept
+        except OSError as exc:
+            group.close()
+            raise CgroupError(f"cannot create cgroup {exc.filename}: {exc.strerror}") from None
         try:
             if layout.version == 2:  # delegate first: the limits' files appear with the controllers
                 _apply(plan.plan_group(layout, (group.name,), Limits(), delegate=True))

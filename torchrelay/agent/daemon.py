@@ -32,7 +32,8 @@ Contract:
   enforces its offer (``cpus``, ``memory``) and each launch's grant with cgroups
   (``torchrelay.agent.cgroups``), created in ``run`` under ``cgroup_parent`` (default: its own
   cgroup). "auto" uses them when this process can (root, the controllers mounted) and says once
-  why not otherwise; "on" makes ``run`` raise ``cgroups.CgroupUnavailable`` instead.
+  why not otherwise (also when the hierarchy refuses, e.g. a v2 parent that cannot delegate);
+  "on" makes ``run`` raise ``cgroups.CgroupUnavailable`` or ``cgroups.CgroupError`` instead.
 - ``Agent.close()`` stops every launch (SIGTERM, SIGKILL after the grace), closes the zygote,
   delivers what it can, and returns when no process of any launch is left. Idempotent.
 
@@ -57,7 +58,7 @@ from pathlib import Path
 
 from torchrelay import wire
 from torchrelay.agent.bundles import BundleCache
-from torchrelay.agent.cgroups import AgentCgroups, CgroupUnavailable
+from torchrelay.agent.cgroups import AgentCgroups, CgroupError, CgroupUnavailable
 from torchrelay.agent.gpus import GpuSlots
 from torchrelay.agent.launcher import Launch
 from torchrelay.agent.outbox import Carrier, Entry, Outbox
@@ -237,7 +238,7 @@ class Agent:
             return
         try:
             self.cgroups = AgentCgroups.open(cpus=self.cpus, memory=self.memory, parent=self.cgroup_parent)
-        except CgroupUnavailable as exc:
+        except (CgroupUnavailable, CgroupError) as exc:  # e.g. a v2 parent that cannot delegate
             if self.cgroups_mode == "on":
                 raise
             log.warning("running without cgroup limits: %s", exc)
