@@ -68,8 +68,8 @@ def make_launch(tmp_path: Path, name: str, script: str, args: list[str], group: 
         entrypoint=entrypoint or ["python", "job.py", *args], bundle=None, env=env or {}, store_url=str(tmp_path / "store"),
         job_store_prefix="jobs/job-1", cpu=cpu, memory=memory)
     cgroup = group.launch(assignment.launch_id, cpu_per_worker=cpu, memory_per_worker=memory, workers=nproc)
-    return Launch(assignment, code_dir=code, run_dir=tmp_path / name / "run", relay_address="http://127.0.0.1:9",
-                  zygote=zygote, cgroup=cgroup)
+    return Launch(assignment, code_dir=code, run_dir=tmp_path / name / "run",
+                  relay_address="http://127.0.0.1:9", zygote=zygote, cgroup=cgroup)
 
 
 def rank_result(launch: Launch) -> dict:

@@ -138,8 +138,9 @@ class TorchrunBackend(LaunchBackend):
         with open(self.log_path, "ab") as out:
             out.write(f"$ {shlex.join(cmd)}\n".encode())
             out.flush()
-            self._proc = subprocess.Popen(self.place.command(cmd), cwd=self.place.code_dir, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(self.place.command(cmd), cwd=self.place.code_dir, env=env,
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         self.pid = self._proc.pid
 
     def poll(self) -> bool:

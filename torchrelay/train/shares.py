@@ -15,8 +15,9 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
   takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch
   (``T < B`` samples) is split in proportion to the shares; one smaller than the world rides
-  with the last full batch instead, so every rank has a sample at every step. So every index is seen exactly once per epoch, also when the shares
-  change between two steps, and a resumed epoch only needs its step number.
+  with the last full batch instead, so every rank has a sample at every step. So every index
+  is seen exactly once per epoch, also when the shares change between two steps, and a
+  resumed epoch only needs its step number.
 - ``steps_per_epoch(num_samples, global_batch, world, drop_last)``; ``remeasure_due(step,
   every, calibration_steps)``: after which optimizer steps the speeds are compared.
 """
@@ -26,7 +27,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Resplit", "decide_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time", "steps_per_epoch"]
+__all__ = ["Resplit", "decide_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time",
+           "steps_per_epoch"]
 
 
 def proportional_shares(weights: Sequence[float], total: int, minimum: int = 1) -> tuple[int, ...]:
