@@ -149,6 +149,8 @@ def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
     from torchrelay.train.checkpoint_state import TrainState
     from torchrelay.train.session import current_session
 
+    shares = {}
+
     def run(steps: int, restore: bool) -> list:
         current_session().balancer = None
         model = make_model()
@@ -157,12 +159,15 @@ def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
         state = TrainState(model, optimizer, loader)
         if restore:
             assert state.restore()
+            shares["restored"] = list(current_session().balancer.shares)
         for _ in state.epochs(2):
             for xs, ys in state.batches():
                 optimizer.zero_grad()
                 F.cross_entropy(model(xs), ys).backward()
                 optimizer.step()
                 if state.step == 17 and not restore:
+                    current_session().balancer.shares = (40, 24)  # as a re-split would have left them
+                    shares["saved"] = [40, 24]
                     state.save()
                 if state.step == 30:
                     return [p.detach().clone() for p in model.parameters()]
@@ -170,7 +175,7 @@ def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
 
     straight = run(30, restore=False)  # saves at step 17 on the way
     resumed = run(30, restore=True)
-    return {"max_diff": max(float((a - b).abs().max()) for a, b in zip(straight, resumed)),
+    return {"max_diff": max(float((a - b).abs().max()) for a, b in zip(straight, resumed)), "shares": shares,
             "metrics": {k: v for k, v in current_session().hooks.metrics().items()}}
 
 
@@ -289,6 +294,7 @@ def test_balanced_local_sgd_and_diloco_average_by_samples(ranks, kind):
 def test_kill_and_resume_mid_epoch_gives_the_same_parameters(ranks):
     for rank in ranks:
         assert rank["resume"]["max_diff"] < 1e-5
+        assert rank["resume"]["shares"]["restored"] == rank["resume"]["shares"]["saved"]  # the split came back
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "local_sgd"])
