@@ -43,6 +43,13 @@ class ServerUnavailable(RelayError):
     http_status = 503
 
 
+class ExecutorUnavailable(RelayError):
+    """An executor's cluster manager did not answer (e.g. ``slurmctld`` unreachable): names the
+    command and what it said. Jobs keep their last known state; the executor retries."""
+
+    http_status = 503
+
+
 class StorageError(RelayError):
     """The artifact store could not read or write (missing path, full disk, permissions)."""
 

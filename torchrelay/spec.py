@@ -188,6 +188,9 @@ class CheckpointPolicy(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+# the executor a job goes to unless its spec names another (torchrelay.server.executors)
+DEFAULT_EXECUTOR = "agents"
+
 # Spec fields that were accepted once and are gone: refused in new specs, dropped from stored ones.
 RETIRED_KEYS = frozenset({"queue"})
 
@@ -214,6 +217,9 @@ class JobSpec(_Strict):
     hang_timeout_s: float = Field(default=60.0, ge=0, description="restart when no metric arrives for this "
                                   "long after the first one (0: never)")
     stop_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM to SIGKILL when stopping workers")
+    executor: str = Field(default=DEFAULT_EXECUTOR, pattern=r"^[a-z][a-z0-9_-]*$", max_length=64,
+                          description="what places the job: 'agents' (the server's own nodes) or the name of "
+                          "an executor the server was started with, e.g. 'slurm'")
 
     @field_validator("entrypoint")
     @classmethod

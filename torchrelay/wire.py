@@ -188,6 +188,8 @@ class NodeInfo(_Model):
     used_memory: int = 0
     last_seen: float
     launches: list[str] = Field(default_factory=list, description="launch ids placed here")
+    note: str | None = Field(default=None, description="what the node's executor last said of it (Slurm: "
+                             "whether slurmctld answers)")
 
 
 class LaunchReport(_Model):

@@ -133,6 +133,14 @@ class RelayClient:
                              headers={"content-type": "application/json"})
         return JobInfo.model_validate_json(resp.content)
 
+    def dryrun(self, spec: JobSpec | dict[str, Any]) -> dict[str, Any]:
+        """What the server would do with ``spec``, submitting nothing: ``{"executor", "spec",
+        "submission"}`` (e.g. the Slurm batch script). Raises InvalidSpec, Unschedulable."""
+        spec = spec if isinstance(spec, JobSpec) else JobSpec.parse(spec)
+        body = SubmitRequest(spec=spec.to_public(), bundle=None)
+        return self._request("POST", "/jobs/dryrun", content=body.model_dump_json(),
+                             headers={"content-type": "application/json"}).json()
+
     def jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
         params: dict[str, Any] = {"limit": limit}
         if state:

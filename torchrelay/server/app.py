@@ -104,6 +104,12 @@ def _job_routes(svc: ClusterService) -> APIRouter:
         # serialized once here: returning the model would have FastAPI validate it again
         return Response(content=info.model_dump_json(), media_type="application/json", status_code=201)
 
+    @api.post("/jobs/dryrun")
+    def dryrun(body: SubmitRequest, request: Request) -> dict[str, Any]:
+        """What submitting the spec would do, submitting nothing: ``{"executor", "spec",
+        "submission"}`` (the executor's own text, e.g. Slurm's batch script; null for the agents)."""
+        return svc.dryrun(body.spec, request.headers.get("x-relay-user"))
+
     @api.get("/jobs", response_model=list[JobInfo])
     def list_jobs(state: str | None = None, limit: int = Query(100, ge=1, le=10000)) -> list[JobInfo]:
         return svc.list_jobs(state, limit)

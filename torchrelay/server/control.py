@@ -21,6 +21,7 @@ from torchrelay import scheduler as policy
 from torchrelay.errors import StorageError
 from torchrelay.server import lifecycle, scheduling, watchdogs
 from torchrelay.server.assignment import plan_launches
+from torchrelay.server.executors import agents_only, is_agents_job
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.rows import Database, JobBrief, JobFacts, Rows
 from torchrelay.spec import JobState, LaunchState, NodeState
@@ -188,6 +189,8 @@ class Control:
         running, queue, waiting = [], [], {}
         for brief in rows.scheduled_jobs():
             facts = rows.facts(brief.seq)
+            if not is_agents_job(facts.spec):  # another executor places it (torchrelay.server.executors)
+                continue
             live = [x for x in live_by_job.get(brief.seq, ()) if x.attempt == brief.attempt] if brief.attempt else []
             if live:
                 running.append(scheduling.allocation(
@@ -198,8 +201,8 @@ class Control:
                 queue.append(facts.queued)
                 waiting[facts.queued.job_id] = (brief, facts)
         quotas = self.quotas.for_users([a.user for a in running] + [q.user for q in queue])
-        inp = policy.SchedulerInput(nodes=rows.nodes().views, running=tuple(running), queue=tuple(queue), now=now,
-                                    quotas=quotas)
+        inp = policy.SchedulerInput(nodes=agents_only(rows.nodes().views), running=tuple(running),
+                                    queue=tuple(queue), now=now, quotas=quotas)
         return inp, waiting
 
     def schedule(self, rows: Rows, now: float) -> None:
@@ -226,16 +229,27 @@ class Control:
 
     def place(self, rows: Rows, row: Any, facts: JobFacts, placement: policy.Placement, now: float) -> None:
         """Start the job's next attempt where the policy placed it: one launch per role and node."""
+        attempt = self.begin_attempt(row)
+        nodes = rows.nodes()
+        where = scheduling.placement_summary(placement, facts.spec, nodes.names, nodes.gpu_types)
+        self.record_placement(rows, row, plan_launches(row.id, attempt, placement, facts.environment.layout),
+                              f"placed on {where}", now)
+
+    def begin_attempt(self, row: Any) -> int:
+        """Count the job's next attempt and fence off the older ones' checkpoints; its number."""
         row.attempt += 1
         if row.attempt > 1:
             self._fence_checkpoints(row)
-        rows.placed(row, plan_launches(row.id, row.attempt, placement, facts.environment.layout), now)
-        nodes = rows.nodes()
-        where = scheduling.placement_summary(placement, facts.spec, nodes.names, nodes.gpu_types)
+        return row.attempt
+
+    @staticmethod
+    def record_placement(rows: Rows, row: Any, plans: Any, where: str, now: float) -> None:
+        """The attempt's launches (``plans``) and its event (``where``: "placed on …")."""
+        rows.placed(row, plans, now)
         if JobState(row.state) == JobState.QUEUED:
-            rows.set_state(row, JobState.SCHEDULED, f"placed on {where}", now)
+            rows.set_state(row, JobState.SCHEDULED, where, now)
         else:
-            rows.add_event(row, f"attempt {row.attempt} placed on {where}", now)
+            rows.add_event(row, f"attempt {row.attempt} {where}", now)
 
     def _fence_checkpoints(self, row: Any) -> None:
         """Write the job's new attempt where checkpoint commits look (see torchrelay.train.checkpoint):

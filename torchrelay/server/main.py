@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
+from typing import Sequence
 
 import uvicorn
 
 from torchrelay.home import relay_home, server_file, write_json
+from torchrelay.errors import InvalidSpec
 from torchrelay.server.app import create_app
+from torchrelay.server.executors import Executor
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.service import ClusterService
 
@@ -23,9 +27,30 @@ def default_db_url(home: Path) -> str:
     return f"sqlite:///{home / 'state.db'}"
 
 
+def slurm_executor(*, partition: str, job_root: Path | None, store_url: str | None, python: str | None,
+                   poll_interval_s: float, jobcomp: Path | None, accounting: bool) -> Executor:
+    """The Slurm executor of ``relay server --slurm-partition``. Its job folders go under
+    ``job_root``, else under the store when that is a local folder (``<store>/slurm``).
+    Raises InvalidSpec when there is no such folder."""
+    from torchrelay.server.executors.slurm import SlurmConfig, SlurmExecutor
+
+    if job_root is None:
+        local = (store_url or str(relay_home() / "store")).removeprefix("file://")
+        if "://" in local:
+            raise InvalidSpec(f"--slurm-dir is needed: the store {store_url!r} is not a folder the Slurm nodes "
+                              "can share; give a path every node sees")
+        job_root = Path(local) / "slurm"
+    job_root = Path(job_root).resolve()
+    job_root.mkdir(parents=True, exist_ok=True)
+    config = SlurmConfig(partition=partition, job_root=str(job_root), python=python or sys.executable,
+                         poll_interval_s=poll_interval_s, accounting=accounting,
+                         jobcomp_path=str(jobcomp) if jobcomp else None)
+    return SlurmExecutor(config)
+
+
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
-          quotas_file: Path | None = None) -> None:
+          quotas_file: Path | None = None, executors: Sequence[Executor] = ()) -> None:
     """Serve until interrupted. Raises OSError naming the address when it cannot bind, and
     InvalidSpec naming the file and entry when ``quotas_file`` is malformed (before binding)."""
     quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
@@ -41,7 +66,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     shown_host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
     service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
-                             heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas)
+                             heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
     app = create_app(service)
     write_json(server_file(home), {"address": address, "pid": os.getpid()})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))

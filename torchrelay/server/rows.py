@@ -458,7 +458,7 @@ class Rows:
                 cpus=node.cpus, gpus=node.gpus, gpu_type=node.gpu_type, memory=node.memory,
                 labels=node.labels or {}, last_seen=node.last_seen,
                 used_cpus=sum(x.cpu * x.nproc for x in live), used_gpus=sum(x.gpu * x.nproc for x in live),
-                used_memory=sum(x.memory * x.nproc for x in live), launches=[x.id for x in live]))
+                used_memory=sum(x.memory * x.nproc for x in live), launches=[x.id for x in live], note=node.note))
         return out
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound
 from torchrelay.server import telemetry
 from torchrelay.server.control import Control
+from torchrelay.server.executors import Executor, Executors
 from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.rows import Database, live_on_node, node_assignments, node_for_reply, touch_node
@@ -46,17 +47,24 @@ class ClusterService:
     """Owns the store; see the module docstring for the contract."""
 
     def __init__(self, db_url: str, store_url: str, *, heartbeat_timeout_s: float = 10.0,
-                 tick_s: float = 0.5, clock: Callable[[], float] = time.time, quotas: QuotaTable | None = None):
+                 tick_s: float = 0.5, clock: Callable[[], float] = time.time, quotas: QuotaTable | None = None,
+                 executors: Iterable[Executor] = ()):
         self.notifier = Notifier()
         self.store = ArtifactStore(store_url)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.tick_s = tick_s
         self.clock = clock
         self.quotas = quotas or QuotaTable()
-        self.db = Database(db_url, self.notifier, kick=lambda: self.control.kick())
+        self.executors = Executors(executors)  # the agents, and e.g. a Slurm partition
+        self.db = Database(db_url, self.notifier, kick=self._kick)
         self.control = Control(self.db, self.store, quotas=self.quotas, heartbeat_timeout_s=heartbeat_timeout_s,
                                tick_s=tick_s, clock=clock)
-        self.submissions = Submissions(self.db, self.store, clock)
+        self.submissions = Submissions(self.db, self.store, clock, self.executors)
+        self.executors.attach(self)
+
+    def _kick(self) -> None:
+        self.control.kick()
+        self.executors.kick()
 
     @property
     def engine(self) -> Any:
@@ -74,9 +82,11 @@ class ClusterService:
         with self.db.write() as rows:
             rows.refresh_nodes_seen(self.clock())
         self.control.start()
+        self.executors.start()
 
     def stop(self) -> None:
-        """End the loop, write the submissions already accepted, close the store."""
+        """End the loops, write the submissions already accepted, close the store."""
+        self.executors.stop()
         self.control.stop()
         self.submissions.close()
         self.db.dispose()
@@ -96,6 +106,12 @@ class ClusterService:
         """``submit`` for an event loop: the same contract, and the loop is never blocked;
         concurrent submissions share one commit (``submissions``)."""
         return await self.submissions.submit_async(spec_data, bundle, user)
+
+    def dryrun(self, spec_data: dict[str, Any], user: str | None) -> dict[str, Any]:
+        """What submitting the spec would do (its executor's submission text), submitting
+        nothing. Raises InvalidSpec, Unschedulable."""
+        ticket = self.submissions.validated(spec_data, None, user)
+        return self.executors.dryrun(ticket.spec, "job-0")
 
     def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
         """The newest jobs first, at most ``limit``; ``state``: comma-separated states to keep.

@@ -81,6 +81,8 @@ class NodeRow(Base):
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     state: Mapped[str] = mapped_column(String(16))
     last_seen: Mapped[float] = mapped_column(Float)
+    # what its executor last said of it (e.g. "slurmctld unreachable since …"); None for agents
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class LaunchRow(Base):
@@ -112,6 +114,8 @@ class LaunchRow(Base):
     infra: Mapped[bool] = mapped_column(Boolean, default=False)
     # overrides the spec's stop_grace_s for this stop (0: `relay cancel --no-checkpoint`)
     stop_grace_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the executor's own id of the launch's attempt (a Slurm job id); None for an agent's launch
+    external_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 

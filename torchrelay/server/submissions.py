@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound, Unschedulable
+from torchrelay.server.executors import Executors, agents_only, is_agents_job
 from torchrelay.server.rows import Database, JobFacts
 from torchrelay.server.scheduling import never_fits_message, queued_job
 from torchrelay.server.views import job_id_of
@@ -50,8 +51,10 @@ class Ticket:
 class Submissions:
     """The pending tickets and the writer thread of one service (see the module docstring)."""
 
-    def __init__(self, db: Database, store: ArtifactStore, clock: Callable[[], float]):
+    def __init__(self, db: Database, store: ArtifactStore, clock: Callable[[], float],
+                 executors: Executors | None = None):
         self.db, self.store, self.clock = db, store, clock
+        self.executors = executors or Executors()
         self._pending: list[Ticket] = []
         self._pending_lock = threading.Lock()
         self._flush_queued = False  # a write of ``_pending`` is queued on ``_writer`` (under _pending_lock)
@@ -96,7 +99,8 @@ class Submissions:
             writer.shutdown(wait=True)
 
     def validated(self, spec_data: dict[str, Any], bundle: str | None, user: str | None) -> Ticket:
-        """The submission as a ticket ready to write. No I/O. Raises InvalidSpec."""
+        """The submission as a ticket ready to write. No I/O (an executor checks against what it
+        cached of its cluster). Raises InvalidSpec, Unschedulable."""
         spec = JobSpec.parse(spec_data)
         if spec.user is None and user:
             spec = spec.model_copy(update={"user": user})
@@ -104,6 +108,7 @@ class Submissions:
         problem = policy.job_problem(probe)
         if problem:
             raise InvalidSpec(f"job {spec.name!r}: {problem}")
+        self.executors.check(spec)
         return Ticket(spec=spec, public=spec.to_public(), bundle=bundle, probe=probe)
 
     def check_bundle(self, bundle: str | None) -> None:
@@ -147,10 +152,10 @@ class Submissions:
     def _insert(self, tickets: list[Ticket]) -> None:
         now = self.clock()
         with self.db.write() as rows:
-            ready = rows.nodes().ready
+            ready = agents_only(rows.nodes().ready)
             good = []
             for ticket in tickets:
-                if ready and not policy.fits_ever(ticket.probe, ready):
+                if ready and is_agents_job(ticket.spec) and not policy.fits_ever(ticket.probe, ready):
                     ticket.error = Unschedulable(never_fits_message(ticket.spec, ready))
                 else:
                     good.append(ticket)

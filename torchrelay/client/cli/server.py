@@ -17,9 +17,26 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
            quotas: Path = typer.Option(None, "--quotas", help="YAML file of per-user quotas: "
                                        "{USER | default: {cpus: N, gpus: N, jobs: N}}; a job over its user's "
                                        "quota waits (reason 'quota')"),
+           slurm_partition: str = typer.Option(None, "--slurm-partition", help="also place jobs with "
+                                               "`executor: slurm` on this Slurm partition (docs/slurm.md)"),
+           slurm_dir: Path = typer.Option(None, "--slurm-dir", help="a folder every Slurm node sees at the same "
+                                          "path: job folders (default: the store, when it is a local folder)"),
+           slurm_python: str = typer.Option(None, "--slurm-python", help="the interpreter with torchrelay on the "
+                                            "Slurm nodes (default: this server's)"),
+           slurm_poll: float = typer.Option(10.0, "--slurm-poll", help="seconds between Slurm status calls "
+                                            "(each poll is at most one squeue and one sacct)"),
+           slurm_jobcomp: Path = typer.Option(None, "--slurm-jobcomp", help="Slurm's jobcomp/filetxt log, read "
+                                              "for jobs squeue no longer lists when accounting is off"),
+           slurm_accounting: bool = typer.Option(False, "--slurm-accounting", help="ask sacct (slurmdbd) for "
+                                                 "jobs squeue no longer lists"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
-    from torchrelay.server.main import serve
+    from torchrelay.server.main import serve, slurm_executor
 
+    executors = []
+    if slurm_partition:
+        executors.append(slurm_executor(partition=slurm_partition, job_root=slurm_dir, store_url=store,
+                                        python=slurm_python, poll_interval_s=slurm_poll, jobcomp=slurm_jobcomp,
+                                        accounting=slurm_accounting))
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
-          log_level=log_level, quotas_file=quotas)
+          log_level=log_level, quotas_file=quotas, executors=executors)

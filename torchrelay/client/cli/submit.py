@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -12,7 +13,7 @@ from torchrelay.client.cli.common import OutputOpt, Output, client, console, dum
 def submit(spec_file: Path = typer.Argument(..., help="job spec (YAML)"),
            set_: list[str] = typer.Option([], "--set", help="override a field: key=value, key.sub=value"),
            follow_: bool = typer.Option(False, "--follow", "-f", help="stream logs and progress until it ends"),
-           dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved spec, submit nothing"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved spec (and what its executor would submit, e.g. a Slurm batch script); submit nothing"),
            output: Output = OutputOpt) -> None:
     """Submit a job; its workdir (relative to the spec file) is packed and uploaded."""
     from torchrelay.spec import JobSpec
@@ -21,11 +22,7 @@ def submit(spec_file: Path = typer.Argument(..., help="job spec (YAML)"),
         fail(f"spec file {str(spec_file)!r} does not exist")
     spec = JobSpec.from_yaml_text(spec_file.read_text(), set_)
     if dry_run:
-        if output == Output.json:
-            print_json(spec.to_public())
-        else:
-            import yaml
-            console.print(yaml.safe_dump(spec.to_public(), sort_keys=False), markup=False, highlight=False)
+        _dry_run(spec, output)
         return
     with client() as c:
         info = c.submit(spec, base_dir=spec_file.resolve().parent)
@@ -40,3 +37,22 @@ def submit(spec_file: Path = typer.Argument(..., help="job spec (YAML)"),
             print_outcome(final)
             if final.state.value != "SUCCEEDED":
                 raise typer.Exit(1)
+
+
+def _dry_run(spec: Any, output: Output) -> None:
+    """The resolved spec; for a job of another executor than the agents, also what the server
+    would submit for it (e.g. Slurm's batch script), asked of the server."""
+    from torchrelay.spec import DEFAULT_EXECUTOR
+
+    plan = None
+    if spec.executor != DEFAULT_EXECUTOR:
+        with client() as c:
+            plan = c.dryrun(spec)
+    if output == Output.json:
+        print_json(plan or {"executor": spec.executor, "spec": spec.to_public(), "submission": None})
+        return
+    import yaml
+    console.print(yaml.safe_dump(spec.to_public(), sort_keys=False), markup=False, highlight=False)
+    if plan and plan.get("submission"):
+        console.print(f"# what the {plan['executor']!r} executor would submit:", markup=False, highlight=False)
+        console.print(plan["submission"], markup=False, highlight=False)

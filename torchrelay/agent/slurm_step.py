@@ -1,0 +1,120 @@
+"""One Slurm node's part of a job attempt: the agent's own launcher, with files for an outbox.
+
+Usage (what the Slurm executor's batch script runs, one task per node, under ``srun``)::
+
+    python -m torchrelay.agent.slurm_step ATTEMPT_DIR
+
+``ATTEMPT_DIR/launch.json`` (written by the server) holds node 0's ``wire.LaunchAssignment``
+and every node's launch id. This process takes its node's share from Slurm's environment
+(``SLURM_NODEID`` is the node rank, ``SLURM_NNODES`` the node count; node 0 is the batch host,
+``SLURM_LAUNCH_NODE_IPADDR`` its address, ``RELAY_MASTER_PORT`` the port the batch script
+picked there) and runs it with ``launcher.Launch``, exactly as an agent would: torchrun (or a
+direct start for a world of one) with the worker exit hook, per-rank logs, metric files and
+rank markers in ``ATTEMPT_DIR/node-K/``.
+
+Files it writes in ``ATTEMPT_DIR/node-K/`` besides the launch's own:
+- ``records.jsonl``: one line per batch of new records, ``{"logs": [LogRecord...],
+  "metrics": [MetricRecord...]}`` (the server tails it as it would an agent's posts);
+- ``exit.json`` (atomically, last): ``{"status": LaunchStatus, "signalled": "SIGTERM" |
+  "SIGUSR1" | null}``.
+
+Signals: SIGTERM/SIGINT (``scancel``, or torchrelay's own stop) and SIGUSR1 (Slurm's
+``--signal=USR1@N`` warning before the time limit: checkpoint and stop) stop the launch as an
+agent's stop does: SIGTERM to the workers, which ``torchrelay.train`` turns into a checkpoint,
+SIGKILL after the job's ``stop_grace_s``. Exits 0 when the launch succeeded, else 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from torchrelay import wire
+from torchrelay.agent.launcher import Launch
+
+SHIP_INTERVAL_S = 0.5
+_CAUGHT = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGTERM", signal.SIGUSR1: "SIGUSR1"}
+
+
+def node_assignment(template: wire.LaunchAssignment, launch_ids: list[str], env: dict[str, str]) -> wire.LaunchAssignment:
+    """This node's assignment from node 0's ``template`` and Slurm's environment. Raises
+    ``ValueError`` naming a variable that is missing or does not match the template."""
+    try:
+        node_rank, nnodes = int(env["SLURM_NODEID"]), int(env["SLURM_NNODES"])
+        master_addr, master_port = env["SLURM_LAUNCH_NODE_IPADDR"], int(env["RELAY_MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"not a Slurm task of a torchrelay batch job: {exc!r} (needs SLURM_NODEID, SLURM_NNODES, "
+                         "SLURM_LAUNCH_NODE_IPADDR, RELAY_MASTER_PORT)") from None
+    if nnodes != template.nnodes or not 0 <= node_rank < len(launch_ids):
+        raise ValueError(f"SLURM_NNODES={nnodes}, SLURM_NODEID={node_rank}: the attempt was planned for "
+                         f"{template.nnodes} node(s)")
+    return template.model_copy(update={
+        "launch_id": launch_ids[node_rank], "node_rank": node_rank,
+        "rank_offset": node_rank * template.nproc_per_node, "master_addr": master_addr, "master_port": master_port})
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+class _Shipper:
+    """Appends the launch's new records to ``records.jsonl``."""
+
+    def __init__(self, launch: Launch, path: Path):
+        self.launch, self.path = launch, path
+
+    def ship(self) -> None:
+        logs, metrics = self.launch.take_logs(), self.launch.take_metrics()
+        if logs or metrics:
+            line = json.dumps({"logs": [r.model_dump() for r in logs], "metrics": [r.model_dump() for r in metrics]})
+            with open(self.path, "a") as fh:
+                fh.write(line + "\n")
+
+
+def run(attempt_dir: Path, env: dict[str, str]) -> int:
+    """Run this node's launch to its end (see the module docstring); the exit status."""
+    plan = json.loads((attempt_dir / "launch.json").read_text())
+    assignment = node_assignment(wire.LaunchAssignment.model_validate(plan["assignment"]), plan["launch_ids"], env)
+    run_dir = attempt_dir / f"node-{assignment.node_rank}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    caught: list[str] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        caught.append(_CAUGHT[signal.Signals(signum)])
+        wake.set()
+
+    for signum in _CAUGHT:
+        signal.signal(signum, on_signal)
+    launch = Launch(assignment, code_dir=Path(plan["code_dir"]), run_dir=run_dir, python=sys.executable,
+                    base_env=env)
+    shipper = _Shipper(launch, run_dir / "records.jsonl")
+    status = None
+    if not caught:
+        launch.start(assignment.master_addr or "", assignment.master_port or 0)
+        while status is None and not caught:
+            status = launch.wait(SHIP_INTERVAL_S)
+            shipper.ship()
+    if status is None:
+        status = launch.stop(assignment.stop_grace_s)
+    shipper.ship()
+    _write_atomic(run_dir / "exit.json", json.dumps({"status": status.model_dump(), "signalled":
+                                                     caught[0] if caught else None}))
+    return 0 if status.succeeded else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m torchrelay.agent.slurm_step ATTEMPT_DIR", file=sys.stderr)
+        return 2
+    return run(Path(args[0]), dict(os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
