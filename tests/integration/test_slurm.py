@@ -1,0 +1,266 @@
+"""The Slurm executor on a real Slurm 22.05: munge, slurmctld and two slurmd (n1, n2) on 127.0.0.1.
+
+The cluster (``tests/services/slurm.py``) starts once for this module. Each test runs its own
+server (a ``ClusterService`` in this process, its SQLite file and store in the test's folder)
+with a ``SlurmExecutor`` on the partition, polling Slurm every second; jobs run
+``tests/jobs/plain/allreduce.py`` (a plain torchrun script), ``tests/jobs/ft/trainer.py``
+(checkpoints, resumes, reports its steps) or ``examples/digits/train.py``, through
+``sbatch``, ``srun`` and the agent's own launcher on each Slurm node.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import chaos
+from services.slurm import SlurmCluster
+from torchrelay.client.bundle import pack_dir
+from torchrelay.errors import InvalidSpec, Unschedulable
+from torchrelay.server.executors.slurm import SlurmConfig, SlurmExecutor
+from torchrelay.server.service import ClusterService
+from torchrelay.spec import JobState
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[2]
+PLAIN, FT, DIGITS = REPO / "tests" / "jobs" / "plain", REPO / "tests" / "jobs" / "ft", REPO / "examples" / "digits"
+INTERVAL = 5  # the trainer's checkpoint.every_steps
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = SlurmCluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster()
+    yield cluster
+    cluster.stop()
+
+
+@dataclass
+class Relay:
+    """One test's server with its Slurm executor."""
+
+    service: ClusterService
+    executor: SlurmExecutor
+    slurm: SlurmCluster
+
+    def submit(self, workdir: Path, **spec) -> str:
+        blob, digest = pack_dir(workdir)
+        self.service.put_bundle(digest, blob)
+        return self.service.submit({"executor": "slurm", "resources": {"cpu": 1}, **spec}, digest, None).id
+
+    def wait(self, job_id: str, until=lambda info: info.state.terminal, timeout: float = 180, what: str = "the end"):
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.service.get_job(job_id)
+            if until(info):
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what} of {job_id}:\n{self.describe(job_id)}")
+            time.sleep(0.2)
+
+    def describe(self, job_id: str) -> str:
+        info = self.service.get_job(job_id)
+        events = "\n  ".join(f"{e.state.value}: {e.message}" for e in info.events)
+        logs = "\n  ".join(f"[{x.rank}] {x.text}" for x in self.service.logs(job_id).lines[-30:])
+        return (f"{info.state.value} attempt {info.attempt} restarts {info.restarts} failure {info.failure}\n  "
+                f"{events}\nlogs:\n  {logs}\nsqueue: {self.slurm.run('squeue', '-h', '-t', 'all', check=False).stdout}")
+
+    def slurm_id(self, job_id: str, attempt: int | None = None) -> str:
+        with self.service.db.read() as rows:
+            row = rows.job(job_id)
+            return rows.attempt_launches(row.seq, attempt or row.attempt)[0].external_id
+
+    def metric_steps(self, job_id: str, attempt: int) -> list[int]:
+        return [p.step for p in self.service.metrics(job_id).points
+                if p.values.get("attempt") == attempt and "loss" in p.values]
+
+    def resumed_from(self, job_id: str, attempt: int) -> set[int]:
+        return {int(p.values["resumed_from"]) for p in self.service.metrics(job_id).points
+                if p.values.get("attempt") == attempt and "resumed_from" in p.values}
+
+    def wait_for_step(self, job_id: str, attempt: int, step: int) -> None:
+        self.wait(job_id, lambda _: max(self.metric_steps(job_id, attempt), default=0) >= step,
+                  what=f"step {step} of attempt {attempt}")
+
+
+@pytest.fixture
+def relay(slurm, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("RELAY_HOME", str(home))  # chaos.* find only this test's processes
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    config = SlurmConfig(partition=slurm.partition, job_root=str(home / "slurm"), python=sys.executable,
+                         poll_interval_s=1.0, file_interval_s=0.2, jobcomp_path=str(slurm.jobcomp),
+                         cluster_id=f"t{uuid.uuid4().hex[:6]}")
+    executor = SlurmExecutor(config)
+    service = ClusterService(f"sqlite:///{home / 'state.db'}", str(home / "store"), executors=[executor])
+    service.start()
+    relay = Relay(service, executor, slurm)
+    try:
+        yield relay
+    finally:
+        service.stop()
+        ours = [line.split("|")[0] for line in slurm.run("squeue", "-h", "-o", "%i|%j", check=False).stdout.split()
+                if f"|{config.cluster_id}-" in line]
+        if ours:
+            slurm.run("scancel", *ours, check=False)
+        jobs = [info.id for info in service.list_jobs()]
+        chaos.wait_until(lambda: not any(chaos.job_pids(job) for job in jobs), 60,
+                         "every process of this test's jobs to end")
+        assert not ours, f"the test left Slurm jobs {ours} in the queue"
+
+
+def _queue_of(relay: Relay, *slurm_ids: str) -> list[str]:
+    """Those of ``slurm_ids`` still pending or running in Slurm."""
+    out = relay.slurm.run("squeue", "-h", "-t", "pending,running,completing", "-o", "%i", check=False).stdout.split()
+    return [i for i in slurm_ids if i in out]
+
+
+# ---------------------------------------------------------------- submission
+
+
+def test_dry_run_prints_the_batch_script_and_a_job_that_never_fits_is_refused_with_the_limits(relay):
+    relay.executor.step()  # reads the partition's limits
+    plan = relay.service.dryrun({"entrypoint": "python allreduce.py", "executor": "slurm", "workers": 2,
+                                 "nodes": 2, "workers_per_node": 1}, None)
+    assert plan["executor"] == "slurm" and plan["spec"]["executor"] == "slurm"
+    script = plan["submission"]
+    assert "#SBATCH --partition=debug" in script and "#SBATCH --nodes=2" in script
+    assert "-m torchrelay.agent.slurm_step" in script
+    assert relay.service.dryrun({"entrypoint": "python x.py"}, None)["submission"] is None
+
+    with pytest.raises(Unschedulable) as err:
+        relay.submit(PLAIN, entrypoint="python allreduce.py", workers=3, nodes=3, workers_per_node=1)
+    assert "partition 'debug' has 2 node(s) (cpus=64, gpus=0, memory=16000MB)" in str(err.value)
+    with pytest.raises(Unschedulable, match="gpu=1"):
+        relay.submit(PLAIN, entrypoint="python allreduce.py", resources={"gpu": 1})
+    with pytest.raises(InvalidSpec, match="'pbs' is not one of this server's executors \\(agents, slurm\\)"):
+        relay.submit(PLAIN, entrypoint="python allreduce.py", executor="pbs")
+    assert relay.service.list_jobs() == []
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_digits_on_two_slurm_nodes_reaches_095_with_logs_like_an_agents(relay):
+    job = relay.submit(DIGITS, entrypoint="python train.py --epochs 8", workers=2, nodes=2, workers_per_node=1,
+                       checkpoint={"every_steps": 50, "keep": 2})
+    info = relay.wait(job, timeout=280)
+    assert info.state == JobState.SUCCEEDED, relay.describe(job)
+    assert [p.node_name for p in info.placement] == ["slurm:debug", "slurm:debug"]
+    lines = relay.service.logs(job).lines
+    accuracy = [float(m.group(1)) for x in lines if (m := re.match(r"test_accuracy=([0-9.]+)$", x.text))]
+    assert accuracy and accuracy[0] >= 0.95, relay.describe(job)
+    assert {x.rank for x in lines} == {0, 1}
+    assert info.last_metrics.get("accuracy", 0) >= 0.95
+    node_dirs = sorted(p.name for p in (Path(relay.executor.config.attempt_dir(job, 1))).glob("node-*"))
+    assert node_dirs == ["node-0", "node-1"]  # one launch per Slurm node, each with its rank logs
+    assert (Path(relay.executor.config.attempt_dir(job, 1)) / "node-1" / "logs" / "rank-1.log").exists()
+
+
+def test_a_failing_rank_fails_the_job_with_its_exit_code_and_last_lines(relay):
+    job = relay.submit(PLAIN, entrypoint="python allreduce.py fail", workers=2, nodes=2, workers_per_node=1,
+                       stop_grace_s=3)
+    info = relay.wait(job)
+    assert info.state == JobState.FAILED, relay.describe(job)
+    failure = info.failure
+    assert (failure.rank, failure.exit_code) == (1, 3), failure
+    assert "about to fail with code 3" in failure.last_lines, failure
+    assert failure.reason == "rank 1 exited with code 3"
+    texts = {x.text for x in relay.service.logs(job).lines}
+    assert {"rank 0/2 sum=3", "rank 1/2 sum=3", "about to fail with code 3"} <= texts
+    assert _queue_of(relay, relay.slurm_id(job)) == []
+    calls = relay.executor.commands.calls
+    assert calls["squeue"] + calls["sacct"] <= 2 * relay.executor.polls, (calls, relay.executor.polls)
+
+
+def test_relay_cancel_is_scancel_and_an_outside_scancel_is_seen_as_cancelled(relay):
+    ours = relay.submit(PLAIN, entrypoint="python allreduce.py sleep", name="ours", stop_grace_s=5)
+    outside = relay.submit(PLAIN, entrypoint="python allreduce.py sleep", name="outside", stop_grace_s=5)
+    for job in (ours, outside):
+        relay.wait(job, lambda info: info.state == JobState.RUNNING and any(
+            "still working" in x.text for x in relay.service.logs(info.id).lines), what="its first lines")
+    ids = relay.slurm_id(ours), relay.slurm_id(outside)
+    relay.service.cancel(ours)
+    relay.slurm.run("scancel", ids[1])
+    for job in (ours, outside):
+        info = relay.wait(job)
+        assert info.state == JobState.CANCELLED, relay.describe(job)
+    assert any("scancel outside torchrelay" in e.message for e in relay.service.get_job(outside).events)
+    chaos.wait_until(lambda: _queue_of(relay, *ids) == [], 30, "nothing of ours left in Slurm's queue")
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def _trainer(relay: Relay, name: str, args: str = "--sleep 0.15", **fields) -> str:
+    return relay.submit(FT, name=name, entrypoint=f"python trainer.py {args}", workers=2, nodes=2,
+                        workers_per_node=1, checkpoint={"every_steps": INTERVAL, "keep": 2}, max_restarts=2,
+                        stop_grace_s=20, **fields)
+
+
+def test_a_worker_killed_mid_run_restarts_from_its_checkpoint(relay):
+    job = _trainer(relay, "killed")
+    relay.wait_for_step(job, 1, 12)
+    victim = chaos.worker_pids(job, rank=1, attempt=1)
+    assert victim, relay.describe(job)
+    assert chaos.kill(victim[1], signal.SIGKILL)
+    info = relay.wait(job)
+    assert info.state == JobState.SUCCEEDED, relay.describe(job)
+    assert (info.attempt, info.restarts) == (2, 1)
+    assert info.restart_reasons[0].signal == signal.SIGKILL and info.restart_reasons[0].rank == 1
+    (resumed,) = relay.resumed_from(job, 2)
+    assert resumed >= 10 and resumed % INTERVAL == 0
+    assert max(relay.metric_steps(job, 1)) - resumed <= INTERVAL
+
+
+@pytest.mark.slow
+def test_usr1_is_checkpoint_and_stop_and_a_requeued_job_continues_without_counting_a_restart(relay):
+    """``--signal=USR1@90`` warns a job 90 s before its time limit: ``scancel -s USR1`` sends the
+    same signal now. Then ``scontrol requeue`` does what a preemption with requeue does."""
+    job = _trainer(relay, "warned", "--sleep 0.2 --epochs 3")
+    relay.wait_for_step(job, 1, 8)
+    relay.slurm.run("scancel", "-s", "USR1", relay.slurm_id(job, 1))
+    relay.wait(job, lambda info: info.attempt == 2 and info.state == JobState.RUNNING, what="attempt 2")
+    relay.wait_for_step(job, 2, max(relay.metric_steps(job, 1)) + 8)
+    relay.slurm.run("scontrol", "requeue", relay.slurm_id(job, 2))
+    info = relay.wait(job)
+    assert info.state == JobState.SUCCEEDED, relay.describe(job)
+    assert (info.attempt, info.restarts) == (3, 0), relay.describe(job)
+    for attempt in (2, 3):
+        (resumed,) = relay.resumed_from(job, attempt)
+        assert 0 < resumed <= max(relay.metric_steps(job, attempt - 1)), relay.describe(job)
+    messages = [e.message for e in info.events]
+    assert any("SIGUSR1" in m for m in messages) and any("requeued" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_an_unreachable_slurmctld_keeps_jobs_in_their_state_with_a_node_event(relay):
+    job = _trainer(relay, "steady", "--sleep 0.3")
+    relay.wait_for_step(job, 1, 3)
+    relay.slurm.stop_controller()
+    try:
+        relay.executor.step(poll=True)
+        (node,) = [n for n in relay.service.list_nodes() if n.name == "slurm:debug"]
+        assert node.state == "DRAINING" and "Slurm unreachable" in node.note, node
+        assert relay.service.get_job(job).state == JobState.RUNNING
+        for _ in range(3):
+            relay.executor.step(poll=True)
+        assert relay.service.get_job(job).state == JobState.RUNNING, relay.describe(job)
+    finally:
+        relay.slurm.start_controller()
+    info = relay.wait(job)
+    assert info.state == JobState.SUCCEEDED and info.restarts == 0, relay.describe(job)
+    relay.executor.step(poll=True)
+    (node,) = [n for n in relay.service.list_nodes() if n.name == "slurm:debug"]
+    assert node.state == "READY" and "answers again" in node.note, node
