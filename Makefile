@@ -27,7 +27,7 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
-# Debian packages of the services the tests start (Ceph, PostgreSQL); a no-op when present.
+# Debian packages of the services the tests start (Ceph, PostgreSQL, Slurm); a no-op when present.
 # The fixtures install them too when missing; CI runs this first so no test pays for it.
 services:
 	-bash tests/services/install.sh

@@ -123,7 +123,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=60
 MessageTimeout=10
 InactiveLimit=0
-KillWait=5
+KillWait=15
 MinJobAge=300
 SchedulerParameters=sched_interval=2
 {nodes}

@@ -92,9 +92,10 @@ def test_batch_script_has_one_task_per_node_running_the_agents_launcher():
     assert options == ["--job-name=relay-job-7-a2", "--partition=gpu", "--nodes=2", "--ntasks-per-node=1",
                        "--cpus-per-task=4", "--output=/shared/relay/job-7/a2/slurm-%j.out",
                        "--chdir=/shared/relay/job-7/a2", "--open-mode=append", "--gres=gpu:2", "--mem=4096M",
-                       "--time=50", "--signal=USR1@90", "--requeue", "--account=ml"]
-    assert lines[-1] == ("exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 /opt/venv/bin/python -m "
-                         "torchrelay.agent.slurm_step /shared/relay/job-7/a2")
+                       "--time=50", "--signal=B:USR1@90", "--requeue", "--account=ml"]
+    assert ("srun --ntasks-per-node=1 --kill-on-bad-exit=0 /opt/venv/bin/python -m torchrelay.agent.slurm_step "
+            "/shared/relay/job-7/a2 &") in lines
+    assert "trap 'date +%s >> /shared/relay/job-7/a2/stop.request' USR1" in lines
     assert any(line.startswith("export RELAY_MASTER_PORT=$(/opt/venv/bin/python -c ") for line in lines)
 
 

@@ -18,10 +18,12 @@ Files it writes in ``ATTEMPT_DIR/node-K/`` besides the launch's own:
 - ``exit.json`` (atomically, last): ``{"status": LaunchStatus, "signalled": "SIGTERM" |
   "SIGUSR1" | null}``.
 
-Signals: SIGTERM/SIGINT (``scancel``, or torchrelay's own stop) and SIGUSR1 (Slurm's
-``--signal=USR1@N`` warning before the time limit: checkpoint and stop) stop the launch as an
-agent's stop does: SIGTERM to the workers, which ``torchrelay.train`` turns into a checkpoint,
-SIGKILL after the job's ``stop_grace_s``. Exits 0 when the launch succeeded, else 1.
+Stops: SIGTERM/SIGINT (``scancel``, or torchrelay's own stop), and Slurm's warning before the
+time limit (``--signal=B:USR1@N`` to the batch shell, which writes ``ATTEMPT_DIR/stop.request``;
+a SIGUSR1 sent to this process counts the same) stop the launch as an agent's stop does:
+SIGTERM to the workers, which ``torchrelay.train`` turns into a checkpoint, SIGKILL after the
+job's ``stop_grace_s``. The exit record names which it was. Exits 0 when the launch
+succeeded, else 1.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from torchrelay import wire
 from torchrelay.agent.launcher import Launch
 
 SHIP_INTERVAL_S = 0.5
+STOP_REQUEST = "stop.request"  # the batch script writes it on ``--signal=B:USR1@N``
 _CAUGHT = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGTERM", signal.SIGUSR1: "SIGUSR1"}
 
 
@@ -100,6 +103,8 @@ def run(attempt_dir: Path, env: dict[str, str]) -> int:
         while status is None and not caught:
             status = launch.wait(SHIP_INTERVAL_S)
             shipper.ship()
+            if (attempt_dir / STOP_REQUEST).exists():  # the batch shell got Slurm's time-limit warning
+                caught.append("SIGUSR1")
     if status is None:
         status = launch.stop(assignment.stop_grace_s)
     shipper.ship()

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,12 +77,13 @@ class AgentOptions:
 def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
                   heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0,
                   agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None,
-                  listen: ListenPlan = ListenPlan()) -> Cluster:
+                  listen: ListenPlan = ListenPlan(), server_args: Sequence[str] = ()) -> Cluster:
     """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable,
     and ``Conflict`` when the server cannot listen where ``listen`` says.
 
     ``agent_options[i]`` (if given) sets what agent i offers; it overrides ``agent_cpus``.
-    ``quotas_file`` is passed to the server as ``--quotas``."""
+    ``quotas_file`` is passed to the server as ``--quotas``; ``server_args`` are more options of
+    ``relay server`` (e.g. ``--slurm-partition``)."""
     if agent_options is not None and len(agent_options) != agents:
         raise ValueError(f"agent_options has {len(agent_options)} entries for {agents} agents; give one per agent")
     home = (home or relay_home()).resolve()
@@ -98,7 +100,7 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
                    "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if quotas_file is not None:
         server_argv += ["--quotas", str(Path(quotas_file).resolve())]
-    server = _spawn(server_argv, home, "server")
+    server = _spawn([*server_argv, *server_args], home, "server")
     pids = [server.pid]
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:

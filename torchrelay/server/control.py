@@ -96,7 +96,10 @@ class Control:
 
     def watch(self, rows: Rows, now: float) -> None:
         """Lost nodes, then hung jobs, then runtime overruns, each read after the one before acted."""
-        for lost in watchdogs.lost_nodes(rows.liveness(), now=now, timeout_s=self.heartbeat_timeout_s):
+        views = rows.nodes().views
+        heartbeating = {n.id for n in agents_only(views)}  # an executor's node has no heartbeat to miss
+        for lost in watchdogs.lost_nodes([x for x in rows.liveness() if x.id in heartbeating], now=now,
+                                         timeout_s=self.heartbeat_timeout_s):
             node = rows.node(lost.node_id)
             rows.set_node_state(node, NodeState.LOST)
             for launch in rows.live_on_node_orm(node.id):

@@ -54,5 +54,5 @@ def _dry_run(spec: Any, output: Output) -> None:
     import yaml
     console.print(yaml.safe_dump(spec.to_public(), sort_keys=False), markup=False, highlight=False)
     if plan and plan.get("submission"):
-        console.print(f"# what the {plan['executor']!r} executor would submit:", markup=False, highlight=False)
-        console.print(plan["submission"], markup=False, highlight=False)
+        print(f"# what the {plan['executor']!r} executor would submit:")
+        print(plan["submission"], end="", flush=True)  # as is: a console would wrap its long lines

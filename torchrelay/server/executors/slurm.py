@@ -41,7 +41,7 @@ from torchrelay.server.executors.slurm_batch import (PartitionLimits, SlurmConfi
 from torchrelay.server.executors.slurm_commands import SlurmCommands, SlurmRefused
 from torchrelay.server.executors.slurm_status import (AttemptView, ExitRecord, LaunchFacts, Rule, SlurmJob,
                                                       decide_attempt, parse_jobcomp, parse_sacct, parse_squeue)
-from torchrelay.server.rows import Database, Rows, touch_node
+from torchrelay.server.rows import Database, Rows
 from torchrelay.server.scheduling import worker_shape
 from torchrelay.server.views import job_id_of
 from torchrelay.spec import JobSpec, JobState, NodeState
@@ -186,13 +186,14 @@ class SlurmExecutor(Executor):
         self.limits = limits
 
     def _keep_node(self, host: Host) -> None:
-        """The partition's node exists and is seen now (it is not an agent: no heartbeat)."""
-        with host.db.write() as rows:
+        """The partition's node exists with its capacity (it has no heartbeat: the lost-node
+        watchdog leaves it alone, and Slurm's own state says what happened to its jobs)."""
+        with host.db.read() as rows:
             node = rows.node(self.node_id)
-            if node is None or self._node_changed(node):
+            current = node is not None and not self._node_changed(node)
+        if not current:
+            with host.db.write() as rows:
                 rows.register_node(self._registration(), host.clock())
-            else:
-                touch_node(rows.conn, self.node_id, host.clock(), unless_seen_after=host.clock() - 1.0)
 
     def _node_changed(self, node: Any) -> bool:
         reg = self._registration()
@@ -326,10 +327,14 @@ class SlurmExecutor(Executor):
         the job-completion log)."""
         ids = sorted({x.external_id for group in live.values() for x in group if x.external_id}, key=_numeric)
         self._poll.at = now
-        if not ids:
+        if not ids and self._poll.unreachable is None:
             return
         self.polls += 1
         try:
+            if not ids:  # no job to ask about: is the controller back? (one call, as a poll would be)
+                self.limits = parse_sinfo(self.commands.sinfo(self.config.partition), self.config.partition)
+                self._controller_up(host)
+                return
             jobs = parse_squeue(self.commands.squeue(ids))
             gone = [i for i in ids if i not in jobs]
             if gone:

@@ -28,6 +28,7 @@ from torchrelay.spec import JobSpec, ParameterServerStrategy
 SINFO_FORMAT = "%N|%c|%m|%G|%l|%T"
 MIB = 1024 * 1024
 STEP_MODULE = "torchrelay.agent.slurm_step"  # what each node runs (the agent's launcher)
+STOP_REQUEST = "stop.request"  # written in the attempt folder on Slurm's time-limit warning
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,16 +219,24 @@ def render_batch_script(sub: Submission) -> str:
     if shape.time_min:
         opts.append(f"--time={shape.time_min}")
     if cfg.signal_s:
-        opts.append(f"--signal=USR1@{cfg.signal_s}")
+        opts.append(f"--signal=B:USR1@{cfg.signal_s}")
     opts.append("--requeue" if cfg.requeue else "--no-requeue")
     opts += list(cfg.sbatch_args)
     lines = ["#!/bin/bash", f"# torchrelay: {sub.name}; written by the server, submitted with sbatch --parsable"]
     lines += [f"#SBATCH {opt}" for opt in opts]
-    lines += ["set -eu",
+    stop_file = q(f"{sub.attempt_dir}/{STOP_REQUEST}")
+    lines += ["set -u",
               "# node 0 (this host) picks the rendezvous port; every task reads it from the environment",
               f"export RELAY_MASTER_PORT=$({q(cfg.python)} -c {q(_PICK_PORT)})"]
     lines += [f"export {key}={q(value)}" for key, value in sub.extra_env]
-    lines += ["# one task per node, each the agent's launcher for that node's processes",
-              f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(cfg.python)} -m {STEP_MODULE} "
-              f"{q(sub.attempt_dir)}", ""]
+    lines += ["# Slurm's warning before the time limit reaches this shell alone (B:USR1): every node's launcher",
+              "# sees the file and stops its workers as an agent stops them (SIGTERM: checkpoint, then exit)",
+              f"trap 'date +%s >> {stop_file}' USR1",
+              "# one task per node, each the agent's launcher for that node's processes",
+              f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(cfg.python)} -m {STEP_MODULE} "
+              f"{q(sub.attempt_dir)} &",
+              "step=$!",
+              "# wait returns early when the trap ran: wait again until the step has ended",
+              'while :; do wait "$step"; status=$?; kill -0 "$step" 2>/dev/null || break; done',
+              'exit "$status"', ""]
     return "\n".join(lines)

@@ -30,7 +30,7 @@ CANCELLED      cancelled (``scancel`` from outside: job CANCELLED)   none
 A launch's own exit record (written on its node by the agent's launcher) is the truth about
 its ranks and wins over the table, except a record of a launch killed by a signal it was not
 asked for by torchrelay: that waits for Slurm's state to say why (a ``scancel`` outside, a
-requeue, a time limit). A record of a checkpoint-and-stop (``SIGUSR1``, the ``--signal=USR1@N``
+requeue, a time limit). A record of a checkpoint-and-stop (``SIGUSR1``, the ``--signal=B:USR1@N``
 warning before the time limit) is a restart that does not count.
 
 No I/O, no clock.
