@@ -16,7 +16,7 @@ b) Polling: ``--jobs`` (100) Slurm jobs running at once through the executor, th
    ``--polls`` status polls: Slurm commands per poll interval (squeue, sacct), whatever the
    number of jobs.
 
-    OMP_NUM_THREADS=1 python bench/slurm.py [--reps 3] [--jobs 100] [--polls 5]
+    OMP_NUM_THREADS=1 python bench/slurm.py [--reps 3] [--jobs 100] [--polls 5] [--torchx PATH]
 
 Prints rows, then ``RESULT {"slurm_start_overhead_s", "slurm_calls_per_poll", ...}``.
 Needs root (the cluster's daemons run as root).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -106,16 +107,23 @@ def ours(service: ClusterService, digest: str, i: int) -> float:
     return first - t0
 
 
-def torchx_run(cluster: SlurmCluster, work: Path, i: int) -> float | str:
-    """torchx's own Slurm scheduler on the same script, or why it could not run."""
-    torchx = shutil.which("torchx") or str(Path(sys.executable).with_name("torchx"))
-    if not Path(torchx).exists():
-        return "torchx is not installed here (pip install torchx)"
+def find_torchx(given: str | None) -> str | None:
+    found = given or shutil.which("torchx") or str(Path(sys.executable).with_name("torchx"))
+    return found if Path(found).exists() else None
+
+
+def torchx_run(cluster: SlurmCluster, work: Path, torchx: str | None) -> float | str:
+    """torchx's own Slurm scheduler on the same script (its ``dist.ddp``: torchrun with c10d
+    rendezvous at the first node's host name, one heterogeneous component per node), or why
+    it could not run."""
+    if torchx is None:
+        return "torchx is not installed here (pip install torchx, or --torchx PATH)"
+    # torchrun (torch) comes from this interpreter's environment, as the other two sides use it
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     t0 = time.time()
     done = subprocess.run([torchx, "run", "-s", "slurm", "-cfg", f"partition={cluster.partition}",
-                           "dist.ddp", "-j", "2x1", "--script", str(work / "code" / "first_step.py")],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+                           "dist.ddp", "-j", "2x1", "--script", "first_step.py"],
+                          cwd=work / "code", env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return f"torchx run failed: {(done.stderr or done.stdout).strip()[-300:]}"
     app = done.stdout.strip().splitlines()[-1]
@@ -139,7 +147,7 @@ def _wait_idle(cluster: SlurmCluster) -> None:
     _wait_for(lambda: True if not cluster.run("squeue", "-h", "-o", "%i", check=False).stdout.strip() else None, 120)
 
 
-def part_a(cluster: SlurmCluster, service: ClusterService, work: Path, reps: int, with_torchx: bool) -> dict:
+def part_a(cluster: SlurmCluster, service: ClusterService, work: Path, reps: int, torchx: str | None) -> dict:
     code = work / "code"
     code.mkdir()
     (code / "first_step.py").write_text(SCRIPT)
@@ -149,8 +157,7 @@ def part_a(cluster: SlurmCluster, service: ClusterService, work: Path, reps: int
     for i in range(reps):
         times["hand"].append(by_hand(cluster, work, i))
         times["ours"].append(ours(service, digest, i))
-        if with_torchx:
-            times["torchx"].append(torchx_run(cluster, work, i))
+        times["torchx"].append(torchx_run(cluster, work, torchx))
     print("a) submit -> first training step, 2 nodes × 1 rank (seconds)")
     rows = {}
     for name, values in times.items():
@@ -202,15 +209,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--polls", type=int, default=5)
-    parser.add_argument("--no-torchx", action="store_true")
+    parser.add_argument("--torchx", help="the torchx command (default: on PATH or beside this interpreter); "
+                        "it may live in a venv of its own: torchx 0.7 pins urllib3<1.27")
     args = parser.parse_args()
-    versions = package_versions(("torch", "torchx"))
+    torchx = find_torchx(args.torchx)
+    versions = package_versions(("torch",))
+    versions["torchx"] = (subprocess.run([torchx, "--version"], capture_output=True, text=True).stdout.strip()
+                          if torchx else "absent")
     versions["slurm"] = subprocess.run(["sbatch", "--version"], capture_output=True, text=True).stdout.strip()
     print(header_line(versions))
     reason = SlurmCluster.unavailable()
     if reason:
         sys.exit(f"cannot start a Slurm cluster here: {reason}")
-    cluster = SlurmCluster()
+    # host names that resolve: torchx's rendezvous goes to the first node's name
+    cluster = SlurmCluster(nodes=("localhost", socket.gethostname().split(".")[0]))
     work = Path(tempfile.mkdtemp(prefix="relay-bench-slurm-"))
     os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
@@ -219,7 +231,7 @@ def main() -> None:
         service = ClusterService(f"sqlite:///{work / 'state.db'}", str(work / "store"), executors=[executor])
         service.start()
         try:
-            result = part_a(cluster, service, work, args.reps, not args.no_torchx)
+            result = part_a(cluster, service, work, args.reps, torchx)
             result.update(part_b(service, executor, cluster, args.jobs, args.polls))
         finally:
             service.stop()

@@ -6,7 +6,8 @@ after installing Debian's ``slurmctld slurmd slurm-client munge`` when missing (
 ``slurm.conf`` (free ports, its own state, spool, pid and log files, ``NodeName=n[1-2]
 NodeAddr=127.0.0.1``, ``ProctrackType=proctrack/linuxproc``, ``JobCompType=jobcomp/filetxt``,
 no accounting) and starts ``munged``, ``slurmctld`` and ``slurmd -N n1`` / ``-N n2``, each in a
-session of its own, and waits until both nodes are idle. ``env`` points the client commands at
+session of its own, and waits until both nodes are idle. ``nodes`` names them otherwise (the
+benchmark names them after host names that resolve, which torchx's rendezvous needs). ``env`` points the client commands at
 it (``SLURM_CONF``); never the system's Slurm or munge. ``stop_controller()`` /
 ``start_controller()`` stop and start slurmctld alone (an unreachable controller);
 ``stop()`` ends every process it started and removes the folder; idempotent.
@@ -63,7 +64,8 @@ class SlurmCluster:
                 return f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-300:]}"
         return None
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: tuple[str, str] = NODES) -> None:
+        self.nodes = nodes
         self.root = Path(tempfile.mkdtemp(prefix="relay-slurm-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "slurm.conf"
@@ -73,7 +75,7 @@ class SlurmCluster:
             self._write_config()
             self._start_munge()
             self.start_controller()
-            for node in NODES:
+            for node in self.nodes:
                 self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
             self._wait_idle()
         except BaseException:
@@ -83,14 +85,14 @@ class SlurmCluster:
     # ------------------------------------------------------------ configuration
 
     def _write_config(self) -> None:
-        ctl_port, *node_ports = _free_ports(1 + len(NODES))
+        ctl_port, *node_ports = _free_ports(1 + len(self.nodes))
         self.ctl_port = ctl_port
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(mode=0o700)
         host = socket.gethostname().split(".")[0]
         r = self.root
         nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={p} CPUs={CPUS_PER_NODE} RealMemory=16000 "
-                          "State=UNKNOWN" for n, p in zip(NODES, node_ports))
+                          "State=UNKNOWN" for n, p in zip(self.nodes, node_ports))
         self.conf.write_text(f"""\
 ClusterName=relaytest
 SlurmctldHost={host}(127.0.0.1)
@@ -127,7 +129,7 @@ KillWait=15
 MinJobAge=300
 SchedulerParameters=sched_interval=2
 {nodes}
-PartitionName={self.partition} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
 
     # ------------------------------------------------------------ processes
@@ -174,7 +176,7 @@ PartitionName={self.partition} Nodes={','.join(NODES)} Default=YES MaxTime=INFIN
         def idle() -> bool:
             out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
             states = dict(zip(out[::2], out[1::2]))
-            return all(states.get(n) == "idle" for n in NODES)
+            return all(states.get(n) == "idle" for n in self.nodes)
         self._wait(idle, "both nodes to be idle", 60)
 
     def _wait(self, check, what: str, timeout_s: float) -> None:  # noqa: ANN001

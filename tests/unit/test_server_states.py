@@ -48,8 +48,9 @@ def test_every_state_has_a_row_and_the_values_are_the_wire_strings():
 
 
 SERVER = Path(__file__).resolve().parents[2] / "torchrelay" / "server"
-PURE = ["lifecycle", "failures", "watchdogs", "views", "scheduling", "assignment"]
-IMPURE = ("sqlalchemy", "fastapi", "starlette", "uvicorn", "time", "torchrelay.server.rows",
+PURE = ["lifecycle", "failures", "watchdogs", "views", "scheduling", "assignment", "executors/slurm_batch",
+        "executors/slurm_status"]
+IMPURE = ("sqlalchemy", "fastapi", "starlette", "uvicorn", "time", "subprocess", "torchrelay.server.rows",
           "torchrelay.server.store", "torchrelay.server.control", "torchrelay.server.service")
 
 
