@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -124,10 +125,14 @@ def torchx_run(cluster: SlurmCluster, work: Path, torchx: str | None) -> float |
     done = subprocess.run([torchx, "run", "-s", "slurm", "-cfg", f"partition={cluster.partition}",
                            "dist.ddp", "-j", "2x1", "--script", "first_step.py"],
                           cwd=work / "code", env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        return f"torchx run failed: {(done.stderr or done.stdout).strip()[-300:]}"
-    app = done.stdout.strip().splitlines()[-1]
-    slurm_id = app.rsplit("/", 1)[-1]
+    output = done.stdout + done.stderr
+    found = re.search(r"slurm://torchx/(\d+)", output) or re.search(r"'-j', '(\d+)'", output)
+    if found is None:
+        return f"torchx run failed ({done.returncode}): {output.strip()[-300:]}"
+    slurm_id = found.group(1)
+    if done.returncode != 0:  # torchx 0.7 asks sacct about the job it submitted: without accounting that fails
+        print(f"   (torchx run exited {done.returncode} after submitting Slurm job {slurm_id}: "
+              f"{output.strip().splitlines()[-1][:160]})")
     try:
         first = _wait_for(lambda: _torchx_first(work, slurm_id), timeout_s=90)
     except TimeoutError:
@@ -204,6 +209,21 @@ def part_b(service: ClusterService, executor: SlurmExecutor, cluster: SlurmClust
             round(elapsed / done_polls * 1000, 1)}
 
 
+def resolvable_node_names() -> tuple[str, str]:
+    """Two names of this host that resolve to a loopback address (torchx's rendezvous goes to
+    the first node's name); n1 and n2 when there are not two (torchx's side then fails)."""
+    names = [socket.gethostname().split(".")[0]]
+    try:
+        for line in Path("/etc/hosts").read_text().splitlines():
+            fields = line.split("#")[0].split()
+            if len(fields) >= 2 and fields[0].startswith("127."):
+                names += [n for n in fields[1:] if "." not in n and n != "localhost"]
+    except OSError:
+        pass
+    names = list(dict.fromkeys(names))
+    return (names[0], names[1]) if len(names) >= 2 else ("n1", "n2")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -216,13 +236,13 @@ def main() -> None:
     versions = package_versions(("torch",))
     versions["torchx"] = (subprocess.run([torchx, "--version"], capture_output=True, text=True).stdout.strip()
                           if torchx else "absent")
-    versions["slurm"] = subprocess.run(["sbatch", "--version"], capture_output=True, text=True).stdout.strip()
-    print(header_line(versions))
     reason = SlurmCluster.unavailable()
     if reason:
         sys.exit(f"cannot start a Slurm cluster here: {reason}")
-    # host names that resolve: torchx's rendezvous goes to the first node's name
-    cluster = SlurmCluster(nodes=("localhost", socket.gethostname().split(".")[0]))
+    cluster = SlurmCluster(nodes=resolvable_node_names())
+    versions["slurm"] = cluster.run("sinfo", "--version").stdout.strip()
+    print(header_line(versions))
+    print(f"nodes: {', '.join(cluster.nodes)} (one host)")
     work = Path(tempfile.mkdtemp(prefix="relay-bench-slurm-"))
     os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
@@ -232,7 +252,8 @@ def main() -> None:
         service.start()
         try:
             result = part_a(cluster, service, work, args.reps, torchx)
-            result.update(part_b(service, executor, cluster, args.jobs, args.polls))
+            if args.jobs:
+                result.update(part_b(service, executor, cluster, args.jobs, args.polls))
         finally:
             service.stop()
     finally:

@@ -93,14 +93,19 @@ class Relay:
 
 
 @pytest.fixture
-def relay(slurm, tmp_path, monkeypatch):
+def sbatch_args():
+    return ()
+
+
+@pytest.fixture
+def relay(slurm, tmp_path, monkeypatch, sbatch_args):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("RELAY_HOME", str(home))  # chaos.* find only this test's processes
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     config = SlurmConfig(partition=slurm.partition, job_root=str(home / "slurm"), python=sys.executable,
                          poll_interval_s=1.0, file_interval_s=0.2, jobcomp_path=str(slurm.jobcomp),
-                         cluster_id=f"t{uuid.uuid4().hex[:6]}")
+                         cluster_id=f"t{uuid.uuid4().hex[:6]}", sbatch_args=tuple(sbatch_args))
     executor = SlurmExecutor(config)
     service = ClusterService(f"sqlite:///{home / 'state.db'}", str(home / "store"), executors=[executor])
     service.start()
@@ -152,6 +157,15 @@ def test_dry_run_prints_the_batch_script_and_a_job_that_never_fits_is_refused_wi
     with pytest.raises(InvalidSpec, match="'pbs' is not one of this server's executors \\(agents, slurm\\)"):
         relay.submit(PLAIN, entrypoint="python allreduce.py", executor="pbs")
     assert relay.service.list_jobs() == []
+
+
+@pytest.mark.parametrize("sbatch_args", [("--constraint=no-such-feature",)])
+def test_sbatch_refusing_a_job_fails_it_with_sbatchs_own_words(relay):
+    job = relay.submit(PLAIN, entrypoint="python allreduce.py")
+    info = relay.wait(job)
+    assert info.state == JobState.FAILED, relay.describe(job)
+    assert info.failure.reason.startswith("sbatch failed: sbatch: error: "), info.failure
+    assert "Invalid feature specification" in info.failure.reason, info.failure
 
 
 # ---------------------------------------------------------------- end to end
@@ -215,6 +229,7 @@ def _trainer(relay: Relay, name: str, args: str = "--sleep 0.15", **fields) -> s
                         stop_grace_s=20, **fields)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_restarts_from_its_checkpoint(relay):
     job = _trainer(relay, "killed")
     relay.wait_for_step(job, 1, 12)
@@ -282,6 +297,7 @@ def _partition_node(relay: Relay):
 # ---------------------------------------------------------------- one server, two executors
 
 
+@pytest.mark.slow
 def test_embedded_agents_and_a_slurm_partition_serve_one_server(slurm, cluster_factory, relay_home, monkeypatch,
                                                                 tmp_path):
     """``relay server --slurm-partition``, as ``relay up`` starts it, with one agent beside it:

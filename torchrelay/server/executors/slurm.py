@@ -210,25 +210,35 @@ class SlurmExecutor(Executor):
 
     def _place_queued(self, host: Host) -> None:
         """Each of the executor's waiting jobs gets its next attempt's launches (one per node),
-        submitted by ``_submit``; one that can never fit fails."""
+        submitted by ``_submit``; one that can never fit fails. Looked for without the writer
+        lock: most steps find none."""
+        with host.db.read() as rows:
+            waiting = [brief.seq for brief in rows.scheduled_jobs() if self._waiting(rows, brief)]
+        if not waiting:
+            return
         with host.db.write() as rows:
             now = host.clock()
             for brief in rows.scheduled_jobs():
-                if brief.state not in (JobState.QUEUED.value, JobState.RESTARTING.value):
+                if brief.seq not in waiting or not self._waiting(rows, brief):  # (read again, under the lock)
                     continue
-                facts = rows.facts(brief.seq)
-                if facts.spec.executor != self.name or (brief.attempt and rows.live_launches(rows.job_by_seq(brief.seq))):
-                    continue
-                row = rows.job_by_seq(brief.seq)
+                row, spec = rows.job_by_seq(brief.seq), rows.facts(brief.seq).spec
                 try:
-                    shape = self._shape(facts.spec)
+                    shape = self._shape(spec)
                 except Unschedulable as exc:
                     _fail(rows, row, str(exc), now)
                     continue
                 attempt = host.control.begin_attempt(row)
-                host.control.record_placement(rows, row, self._plans(row.id, attempt, facts.spec, shape),
+                host.control.record_placement(rows, row, self._plans(row.id, attempt, spec, shape),
                                               f"submitting to Slurm partition {self.config.partition!r} "
                                               f"({shape.nodes} node(s) × {shape.per_node})", now)
+
+    def _waiting(self, rows: Rows, brief: Any) -> bool:
+        """Whether the job is this executor's and waits for its next attempt."""
+        if brief.state not in (JobState.QUEUED.value, JobState.RESTARTING.value):
+            return False
+        if rows.facts(brief.seq).spec.executor != self.name:
+            return False
+        return not (brief.attempt and rows.live_launches(rows.job_by_seq(brief.seq)))
 
     def _shape(self, spec: JobSpec) -> SlurmShape:
         """The job's shape on the partition (while its limits are unknown: the spec's nodes, else one)."""
