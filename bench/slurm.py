@@ -196,11 +196,12 @@ def part_b(service: ClusterService, executor: SlurmExecutor, cluster: SlurmClust
     for _ in range(polls):
         executor.step(poll=True)
     elapsed = time.monotonic() - started
-    calls = {k: executor.commands.calls[k] - before.get(k, 0) for k in ("squeue", "sacct")}
+    calls = {k: executor.commands.calls[k] - before.get(k, 0) for k in ("squeue", "sacct", "sinfo")}
     done_polls = executor.polls - polls_before
-    per_poll = (calls["squeue"] + calls["sacct"]) / done_polls
-    print(f"b) {jobs} running Slurm jobs, {done_polls} status polls: squeue {calls['squeue']}, sacct {calls['sacct']} "
-          f"-> {per_poll:.2f} status calls per poll interval (goal ≤ 2); {elapsed / done_polls * 1000:.0f} ms a step")
+    per_poll = sum(calls.values()) / done_polls
+    print(f"b) {jobs} running Slurm jobs, {done_polls} status polls: squeue {calls['squeue']}, sacct {calls['sacct']}, "
+          f"sinfo {calls['sinfo']} -> {per_poll:.2f} Slurm calls per poll interval (goal ≤ 2); "
+          f"{elapsed / done_polls * 1000:.0f} ms a step")
     executor.start()
     for job in ids:
         service.cancel(job, checkpoint=False)

@@ -22,7 +22,6 @@ Contract:
 """
 from __future__ import annotations
 
-import json
 import logging
 import tarfile
 import threading
@@ -32,22 +31,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchrelay.errors import ExecutorUnavailable, StorageError, Unschedulable
+from torchrelay.layout import RankLayout
 from torchrelay.server.assignment import LaunchPlan, launch_assignment, launch_id_of
 from torchrelay.server.control import Control
 from torchrelay.server.executors import Executor, executor_labels
-from torchrelay.layout import RankLayout
 from torchrelay.server.executors.slurm_batch import (PartitionLimits, SlurmConfig, SlurmShape, Submission,
                                                      node_shape, parse_sinfo, render_batch_script, shape_of)
 from torchrelay.server.executors.slurm_commands import SlurmCommands, SlurmRefused
-from torchrelay.server.executors.slurm_status import (AttemptView, ExitRecord, LaunchFacts, Rule, SlurmJob,
-                                                      decide_attempt, parse_jobcomp, parse_sacct, parse_squeue)
+from torchrelay.server.executors.slurm_folders import RecordTail, read_exit, unpack_code, write_launch_plan
+from torchrelay.server.executors.slurm_status import (AttemptView, LaunchFacts, Rule, SlurmJob, decide_attempt,
+                                                      parse_jobcomp, parse_sacct, parse_squeue)
 from torchrelay.server.rows import Database, Rows
 from torchrelay.server.scheduling import worker_shape
 from torchrelay.server.views import job_id_of
 from torchrelay.spec import JobSpec, JobState, NodeState
 from torchrelay.storage import ArtifactStore
-from torchrelay.wire import FailureInfo, LaunchStatus, LogBatch, LogRecord, MetricBatch, MetricRecord, \
-    NodeRegistration
+from torchrelay.wire import FailureInfo, LaunchStatus, LogBatch, MetricBatch, NodeRegistration
 
 _log = logging.getLogger("torchrelay.server.slurm")
 LIMITS_REFRESH_S = 60.0
@@ -65,13 +64,6 @@ class Host(Protocol):
     def ingest_logs(self, job_id: str, batch: LogBatch) -> int: ...
 
     def ingest_metrics(self, job_id: str, batch: MetricBatch) -> int: ...
-
-
-@dataclass(slots=True)
-class _Tail:
-    """How far a launch's ``records.jsonl`` was read."""
-
-    offset: int = 0
 
 
 @dataclass(slots=True)
@@ -102,7 +94,7 @@ class SlurmExecutor(Executor):
         self._limits_at = float("-inf")
         self._host: Host | None = None
         self._poll = _Poll()
-        self._tails: dict[str, _Tail] = {}
+        self._tails: dict[str, RecordTail] = {}
         self._stopping: dict[str, _Stopping] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -154,14 +146,20 @@ class SlurmExecutor(Executor):
         with self._step_lock:
             host = self._need_host()
             now = time.monotonic()
-            self._refresh_limits(now)
+            due = poll or (poll is None and now - self._poll.at >= self.config.poll_interval_s)
+            if self.limits is None and due:  # at start, and until sinfo first answers
+                self._poll.at, due = now, False
+                try:
+                    self._refresh_limits(now)
+                except ExecutorUnavailable as exc:
+                    _log.warning("slurm executor %s: cannot read the partition's limits: %s", self.name, exc)
             self._keep_node(host)
             self._place_queued(host)
             live = self._live(host)
             for (seq, attempt), launches in live.items():
                 if launches[0].external_id is None and self._poll.unreachable is None:
                     self._submit(host, seq, attempt, launches)
-            if poll or (poll is None and now - self._poll.at >= self.config.poll_interval_s):
+            if due:
                 self._status_poll(host, live, now)
             self._follow(host, live)
             self._stop_requested(host, live, now)
@@ -172,14 +170,9 @@ class SlurmExecutor(Executor):
         return self._host
 
     def _refresh_limits(self, now: float) -> None:
-        if now - self._limits_at < LIMITS_REFRESH_S and self.limits is not None:
-            return
+        """The partition's limits from ``sinfo``. Raises ``ExecutorUnavailable``."""
         self._limits_at = now
-        try:
-            limits = parse_sinfo(self.commands.sinfo(self.config.partition), self.config.partition)
-        except ExecutorUnavailable as exc:
-            _log.warning("slurm executor %s: cannot read the partition's limits: %s", self.name, exc)
-            return
+        limits = parse_sinfo(self.commands.sinfo(self.config.partition), self.config.partition)
         if not limits.nodes:
             _log.warning("slurm executor %s: partition %r has no nodes (or does not exist)", self.name,
                          self.config.partition)
@@ -288,7 +281,6 @@ class SlurmExecutor(Executor):
 
     def _write_attempt(self, host: Host, job_id: str, attempt: int, attempt_dir: Path) -> None:
         """The job's code (once) and the attempt's ``launch.json`` on the shared file system."""
-        attempt_dir.mkdir(parents=True, exist_ok=True)
         code_dir = Path(self.config.code_dir(job_id))
         with host.db.read() as rows:
             row = rows.job(job_id)
@@ -296,22 +288,12 @@ class SlurmExecutor(Executor):
             launches = rows.attempt_launches(row.seq, attempt)
             bundle = row.bundle
         if not code_dir.exists():
-            staging = code_dir.with_name("code.partial")
-            staging.mkdir(parents=True, exist_ok=True)
-            if bundle:
-                # the agent unpacks the same way (agent.bundles): the server may not import the agent
-                import io
-                with tarfile.open(fileobj=io.BytesIO(host.store.get_bytes(ArtifactStore.bundle_key(bundle))),
-                                  mode="r:gz") as tar:
-                    tar.extractall(staging, filter="data")
-            staging.rename(code_dir)
+            unpack_code(code_dir, host.store.get_bytes(ArtifactStore.bundle_key(bundle)) if bundle else None)
         head = launches[0]
         assignment = launch_assignment(
             _Assigned(head, bundle), job_id=job_id, argv=facts.argv(), env=facts.worker_env(head.gpu, None),
             spec_stop_grace_s=facts.spec.stop_grace_s, master=(None, None), store_url=host.store.url)
-        (attempt_dir / "launch.json").write_text(json.dumps({
-            "assignment": assignment.model_dump(mode="json"), "launch_ids": [x.id for x in launches],
-            "code_dir": str(code_dir)}))
+        write_launch_plan(attempt_dir, assignment, [x.id for x in launches], code_dir)
 
     @staticmethod
     def _end_unsubmitted(host: Host, seq: int, attempt: int) -> None:
@@ -333,28 +315,33 @@ class SlurmExecutor(Executor):
         return out
 
     def _status_poll(self, host: Host, live: dict[tuple[int, int], list[Any]], now: float) -> None:
-        """One ``squeue`` for every live job, and for those it no longer lists one ``sacct`` (or
-        the job-completion log)."""
+        """At most two Slurm calls: one ``squeue`` for every live job; for those it no longer
+        lists one ``sacct`` (or the job-completion log, a file); else, once a minute or while
+        the controller is down with no job to ask about, one ``sinfo`` (the partition's limits,
+        and whether the controller answers)."""
         ids = sorted({x.external_id for group in live.values() for x in group if x.external_id}, key=_numeric)
         self._poll.at = now
-        if not ids and self._poll.unreachable is None:
+        stale = now - self._limits_at >= LIMITS_REFRESH_S
+        if not ids and not stale and self._poll.unreachable is None:
             return
         self.polls += 1
+        calls, jobs = 0, {}
         try:
-            if not ids:  # no job to ask about: is the controller back? (one call, as a poll would be)
-                self.limits = parse_sinfo(self.commands.sinfo(self.config.partition), self.config.partition)
-                self._controller_up(host)
-                return
-            jobs = parse_squeue(self.commands.squeue(ids))
-            gone = [i for i in ids if i not in jobs]
-            if gone:
-                jobs.update(self._finished(gone))
+            if ids:
+                jobs, calls = parse_squeue(self.commands.squeue(ids)), 1
+                gone = [i for i in ids if i not in jobs]
+                if gone:
+                    calls += self.config.accounting
+                    jobs.update(self._finished(gone))
+            if calls < 2 and (stale or not ids):
+                self._refresh_limits(now)
         except ExecutorUnavailable as exc:
             self._controller_down(host, str(exc))
             return
         self._controller_up(host)
-        self._poll.jobs = jobs
-        self._poll.missing = {i: (0 if i in jobs else self._poll.missing.get(i, 0) + 1) for i in ids}
+        if ids:
+            self._poll.jobs = jobs
+            self._poll.missing = {i: (0 if i in jobs else self._poll.missing.get(i, 0) + 1) for i in ids}
 
     def _finished(self, ids: list[str]) -> dict[str, SlurmJob]:
         if self.config.accounting:
@@ -393,13 +380,16 @@ class SlurmExecutor(Executor):
 
     def _follow(self, host: Host, live: dict[tuple[int, int], list[Any]]) -> None:
         """Each live attempt: records and exit records from its folder, then ``decide_attempt``."""
+        live_launches = {x.id for launches in live.values() for x in launches}
+        for launch_id in [x for x in self._tails if x not in live_launches]:  # exited: its file is read
+            del self._tails[launch_id]
         for (seq, attempt), launches in live.items():
             slurm_id = launches[0].external_id
             if slurm_id is None:
                 continue  # not submitted yet
             job_id = _job_id(launches[0])
             attempt_dir = Path(self.config.attempt_dir(job_id, attempt))
-            records = {x.node_rank: _read_exit(attempt_dir / f"node-{x.node_rank}" / "exit.json") for x in launches}
+            records = {x.node_rank: read_exit(attempt_dir / f"node-{x.node_rank}" / "exit.json") for x in launches}
             for launch in launches:  # after the exit records: a launch's last lines precede its end
                 self._ship(host, job_id, launch, attempt_dir / f"node-{launch.node_rank}" / "records.jsonl")
             view = AttemptView(
@@ -414,21 +404,7 @@ class SlurmExecutor(Executor):
                 self._scancel([slurm_id])
 
     def _ship(self, host: Host, job_id: str, launch: Any, path: Path) -> None:
-        tail = self._tails.setdefault(launch.id, _Tail())
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(tail.offset)
-                data = fh.read()
-        except OSError:
-            return
-        complete = data[:data.rfind(b"\n") + 1]  # a line being written is read next time
-        tail.offset += len(complete)
-        logs: list[LogRecord] = []
-        metrics: list[MetricRecord] = []
-        for line in complete.splitlines():
-            batch = json.loads(line)
-            logs += [LogRecord.model_validate(r) for r in batch.get("logs", ())]
-            metrics += [MetricRecord.model_validate(r) for r in batch.get("metrics", ())]
+        logs, metrics = self._tails.setdefault(launch.id, RecordTail()).read(path)
         if logs:
             host.ingest_logs(job_id, LogBatch(launch_id=launch.id, records=logs))
         if metrics:
@@ -480,6 +456,9 @@ class SlurmExecutor(Executor):
                 elif (stopping is None or not stopping.hard) and (
                         stopping is None or now - stopping.signalled_at > grace + HARD_CANCEL_AFTER_S):
                     hard.append(head.external_id)
+        live_ids = {launches[0].external_id for launches in live.values()}
+        for slurm_id in [x for x in self._stopping if x not in live_ids]:  # ended: forget it
+            del self._stopping[slurm_id]
         for slurm_id in gentle:
             self._stopping[slurm_id] = _Stopping(signalled_at=now)
         for slurm_id in hard:
@@ -517,14 +496,6 @@ def _fail(rows: Rows, row: Any, reason: str, now: float, attempt: int | None = N
                              infra=False)
     row.failure = FailureInfo(reason=reason, attempt=row.attempt).model_dump()
     rows.set_state(row, JobState.FAILED, reason, now)
-
-
-def _read_exit(path: Path) -> ExitRecord | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return ExitRecord(status=LaunchStatus.model_validate(data["status"]), signalled=data.get("signalled"))
 
 
 def _job_id(launch: Any) -> str:
