@@ -9,8 +9,9 @@ from torchrelay.wire import LaunchStatus, RankExit
 
 
 def test_squeue_text():
-    text = "12|RUNNING|None\n13|PENDING|Resources\n14|CANCELLED|None\n\n"
-    assert parse_squeue(text) == {"12": SlurmJob("12", "RUNNING", "None"), "13": SlurmJob("13", "PENDING", "Resources"),
+    text = "12|RUNNING|None|0\n13|PENDING|BeginTime|1\n14|CANCELLED|None|0\n\n"
+    assert parse_squeue(text) == {"12": SlurmJob("12", "RUNNING", "None"),
+                                  "13": SlurmJob("13", "PENDING", "BeginTime", restarts=1),
                                   "14": SlurmJob("14", "CANCELLED", "None")}
 
 
@@ -48,6 +49,9 @@ CASES = {
     "pending, not started": (_job("PENDING"), [_launch(state="pending")], None, [], False),
     "running in Slurm: the launches run": (_job("RUNNING"), [_launch(0, "pending"), _launch(1, "pending")], None,
                                            [(0, "running", None, False, ""), (1, "running", None, False, "")], False),
+    "a launcher that started runs before squeue says so": (
+        _job("PENDING"), [LaunchFacts(node_rank=0, state="pending", desired="run", started=True)], None,
+        [(0, "running", None, False, "")], False),
     "exit records are the truth": (_job("RUNNING"), [_launch(0, record=OK), _launch(1, record=FAILED)], None,
                                    [(0, "exited", True, False, ""), (1, "exited", False, False, "")], False),
     "records before squeue says so": (None, [_launch(0, record=OK)], None, [(0, "exited", True, False, "")], False),
@@ -63,8 +67,10 @@ CASES = {
         _job("CANCELLED"), [_launch(0, desired="stop")], None, [(0, "exited", False, False, "stopped (scancel)")],
         False),
     "requeued (preempted) while running: requeue, cancel the requeued job": (
-        _job("PENDING"), [_launch(0, record=STOPPED, signalled="SIGTERM"), _launch(1)], Rule.REQUEUE,
-        [(0, "exited", False, True, "requeued"), (1, "exited", False, True, "requeued")], True),
+        SlurmJob("9", "PENDING", restarts=1), [_launch(0, record=STOPPED, signalled="SIGTERM"), _launch(1)],
+        Rule.REQUEUE, [(0, "exited", False, True, "requeued"), (1, "exited", False, True, "requeued")], True),
+    "pending as last seen while the launcher already started: no requeue": (
+        _job("PENDING"), [_launch(0, state="running")], None, [], False),
     "PREEMPTED": (_job("PREEMPTED"), [_launch(0)], Rule.REQUEUE, [(0, "exited", False, True, "preempted")], False),
     "NODE_FAIL: a free restart": (_job("NODE_FAIL"), [_launch(0), _launch(1, record=OK)], None,
                                   [(0, "exited", False, True, "NODE_FAIL"), (1, "exited", True, False, "")], False),

@@ -396,7 +396,9 @@ class SlurmExecutor(Executor):
                 slurm=self._poll.jobs.get(slurm_id), unreachable=self._poll.unreachable is not None,
                 missing_polls=self._poll.missing.get(slurm_id, 0),
                 launches=tuple(LaunchFacts(node_rank=x.node_rank, state=x.state, desired=x.desired,
-                                           record=records[x.node_rank]) for x in launches))
+                                           record=records[x.node_rank],
+                                           started=(attempt_dir / f"node-{x.node_rank}").is_dir())
+                               for x in launches))
             decision = decide_attempt(view)
             if decision.reports or decision.rule is not None:
                 self._apply(host, seq, attempt, decision)

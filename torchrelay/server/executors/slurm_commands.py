@@ -73,7 +73,7 @@ class SlurmCommands:
         return done.stdout.strip().split(";")[0]
 
     def squeue(self, ids: Sequence[str]) -> str:
-        argv = ["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", SQUEUE_FORMAT]
+        argv = ["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-O", SQUEUE_FORMAT]
         done = self._run(argv)
         if done.returncode != 0:
             if _NO_SUCH_JOB in done.stderr:

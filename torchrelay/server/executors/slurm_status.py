@@ -1,6 +1,6 @@
 """What Slurm says of the executor's jobs, and what the platform makes of it. Pure.
 
-- ``SQUEUE_FORMAT`` / ``parse_squeue``: ``squeue -h -t all -j IDS -o SQUEUE_FORMAT`` text (not
+- ``SQUEUE_FORMAT`` / ``parse_squeue``: ``squeue -h -t all -j IDS -O SQUEUE_FORMAT`` text (not
   ``--json``: in 22.05 it ignored ``-j`` and gave exit codes as raw wait statuses) as
   ``{job id: SlurmJob}``;
 - ``SACCT_FORMAT`` / ``parse_sacct``: ``sacct -n -P -X -j IDS -o SACCT_FORMAT`` likewise;
@@ -16,7 +16,7 @@ How each Slurm end maps to the platform's own reasons and restart rules (``OUTCO
 Slurm state    platform reason                                       restart
 =============  ===================================================  ===============
 PREEMPTED      preempted (requeued: back to QUEUED)                  not counted
-requeued       preempted (a RUNNING job seen PENDING again)           not counted
+requeued       preempted (its RestartCnt above 0: Slurm requeued it)   not counted
 NODE_FAIL      a node was lost (like an agent's LOST node)           not counted
 BOOT_FAIL      a node failed to boot                                 not counted
 TIMEOUT        ran past its time limit (like ``max_runtime_s``)      none: FAILED
@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 from torchrelay.wire import LaunchStatus
 
-SQUEUE_FORMAT = "%i|%T|%r"
+SQUEUE_FORMAT = "JobID:|,State:|,Reason:|,RestartCnt:"  # for -O: "|" ends each field, no padding
 SACCT_FORMAT = "JobIDRaw,State,ExitCode"
 
 PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
@@ -84,12 +84,14 @@ UNKNOWN = Outcome("Slurm no longer knows the job", Rule.FREE)
 
 @dataclass(frozen=True, slots=True)
 class SlurmJob:
-    """One Slurm job as a status call saw it. ``exit_code``: ``ExitCode``'s first half, when known."""
+    """One Slurm job as a status call saw it. ``exit_code``: ``ExitCode``'s first half, when
+    known; ``restarts``: how often Slurm requeued it (``RestartCnt``)."""
 
     job_id: str
     state: str
     reason: str = ""
     exit_code: int | None = None
+    restarts: int = 0
 
     @property
     def pending(self) -> bool:
@@ -119,7 +121,9 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
     for line in text.splitlines():
         fields = line.strip().split("|")
         if len(fields) >= 2 and fields[0]:
-            out[fields[0]] = SlurmJob(fields[0], _state(fields[1]), fields[2] if len(fields) > 2 else "")
+            restarts = fields[3].strip() if len(fields) > 3 else ""
+            out[fields[0]] = SlurmJob(fields[0], _state(fields[1]), fields[2] if len(fields) > 2 else "",
+                                      restarts=int(restarts) if restarts.isdigit() else 0)
     return out
 
 
@@ -164,6 +168,7 @@ class LaunchFacts:
     state: str  # LaunchState value
     desired: str  # "run" | "stop"
     record: ExitRecord | None = None
+    started: bool = False  # its launcher made its node folder: it runs, whatever the last poll said
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,7 +238,7 @@ def decide_attempt(view: AttemptView) -> AttemptDecision:
         elif outcome is not None:
             reports.append((launch.node_rank, _exited(outcome.reason, stopped=launch.desired == "stop"),
                             outcome.rule == Rule.FREE))
-        elif slurm is not None and slurm.running and launch.state == "pending":
+        elif launch.state == "pending" and (launch.started or (slurm is not None and slurm.running)):
             reports.append((launch.node_rank, LaunchStatus(state="running"), False))
     return AttemptDecision(reports=tuple(reports))
 
@@ -245,7 +250,7 @@ def _slurm_outcome(view: AttemptView, slurm: SlurmJob | None, live: Sequence[Lau
     if slurm is None:
         return UNKNOWN if view.missing_polls >= MISSING_POLLS_LIMIT else None
     asked_to_stop = all(x.desired == "stop" for x in live)
-    if slurm.pending and any(x.state == "running" for x in live) and not asked_to_stop:
+    if slurm.restarts and not slurm.ended and not asked_to_stop:  # each attempt is a fresh sbatch
         return REQUEUED
     if not slurm.ended:
         return None
