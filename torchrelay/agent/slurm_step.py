@@ -10,7 +10,8 @@ and every node's launch id. This process takes its node's share from Slurm's env
 ``SLURM_LAUNCH_NODE_IPADDR`` its address, ``RELAY_MASTER_PORT`` the port the batch script
 picked there) and runs it with ``launcher.Launch``, exactly as an agent would: torchrun (or a
 direct start for a world of one) with the worker exit hook, per-rank logs, metric files and
-rank markers in ``ATTEMPT_DIR/node-K/``.
+rank markers in ``ATTEMPT_DIR/node-K/``; the transports are pinned to the interface this node
+reaches node 0 through (``netif``), as an agent pins its advertised address's.
 
 Files it writes in ``ATTEMPT_DIR/node-K/`` besides the launch's own:
 - ``records.jsonl``: one line per batch of new records, ``{"logs": [LogRecord...],
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from torchrelay import wire
 from torchrelay.agent.launcher import Launch
+from torchrelay.agent.netif import interface_env, route_address
 
 SHIP_INTERVAL_S = 0.5
 STOP_REQUEST = "stop.request"  # the batch script writes it on ``--signal=B:USR1@N``
@@ -57,6 +59,16 @@ def node_assignment(template: wire.LaunchAssignment, launch_ids: list[str], env:
     return template.model_copy(update={
         "launch_id": launch_ids[node_rank], "node_rank": node_rank,
         "rank_offset": node_rank * template.nproc_per_node, "master_addr": master_addr, "master_port": master_port})
+
+
+def _interface_pins(master_addr: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and its twins for the interface this node reaches node 0 through, as
+    an agent pins its advertised address's (docs/design.md, gloo and host addresses); none on
+    one host (loopback), or when no route is known."""
+    try:
+        return interface_env(route_address(f"//{master_addr}:9"))
+    except OSError:
+        return {}
 
 
 def _write_atomic(path: Path, data: str) -> None:
@@ -95,7 +107,7 @@ def run(attempt_dir: Path, env: dict[str, str]) -> int:
     for signum in _CAUGHT:
         signal.signal(signum, on_signal)
     launch = Launch(assignment, code_dir=Path(plan["code_dir"]), run_dir=run_dir, python=sys.executable,
-                    base_env=env)
+                    base_env={**env, **_interface_pins(assignment.master_addr or "")})
     shipper = _Shipper(launch, run_dir / "records.jsonl")
     status = None
     if not caught:
