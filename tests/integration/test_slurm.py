@@ -181,11 +181,26 @@ def test_digits_on_two_slurm_nodes_reaches_095_with_logs_like_an_agents(relay):
     lines = relay.service.logs(job).lines
     accuracy = [float(m.group(1)) for x in lines if (m := re.match(r"test_accuracy=([0-9.]+)$", x.text))]
     assert accuracy and accuracy[0] >= 0.95, relay.describe(job)
-    assert {x.rank for x in lines} == {0, 1}
-    assert info.last_metrics.get("accuracy", 0) >= 0.95
+    points = relay.service.metrics(job).points
+    assert {p.rank for p in points} == {0, 1}
+    assert [p.values["accuracy"] for p in points if "accuracy" in p.values] == [pytest.approx(accuracy[0], abs=1e-3)]
     node_dirs = sorted(p.name for p in (Path(relay.executor.config.attempt_dir(job, 1))).glob("node-*"))
     assert node_dirs == ["node-0", "node-1"]  # one launch per Slurm node, each with its rank logs
     assert (Path(relay.executor.config.attempt_dir(job, 1)) / "node-1" / "logs" / "rank-1.log").exists()
+
+
+@pytest.mark.slow
+def test_a_parameter_server_job_runs_its_servers_as_the_ranks_after_the_workers(relay):
+    job = relay.submit(DIGITS, entrypoint="python train.py --epochs 3 --batch-size 32", workers=2,
+                       strategy={"kind": "parameter_server", "servers": 1, "mode": "sync",
+                                 "optimizer": {"name": "adam", "lr": 0.003}, "server_resources": {"cpu": 2}})
+    info = relay.wait(job, timeout=280)
+    assert info.state == JobState.SUCCEEDED, relay.describe(job)
+    assert [p.workers for p in info.placement] == [3]  # one node: 2 workers and the server, 2 CPUs each
+    assert "--cpus-per-task=6" in (Path(relay.executor.config.attempt_dir(job, 1)) / "job.sbatch").read_text()
+    accuracy = [float(m.group(1)) for x in relay.service.logs(job).lines
+                if (m := re.match(r"test_accuracy=([0-9.]+)$", x.text))]
+    assert accuracy and accuracy[0] >= 0.9, relay.describe(job)
 
 
 def test_a_failing_rank_fails_the_job_with_its_exit_code_and_last_lines(relay):
@@ -199,7 +214,7 @@ def test_a_failing_rank_fails_the_job_with_its_exit_code_and_last_lines(relay):
     assert failure.reason == "rank 1 exited with code 3"
     texts = {x.text for x in relay.service.logs(job).lines}
     assert {"rank 0/2 sum=3", "rank 1/2 sum=3", "about to fail with code 3"} <= texts
-    assert _queue_of(relay, relay.slurm_id(job)) == []
+    chaos.wait_until(lambda: _queue_of(relay, relay.slurm_id(job)) == [], 30, "the Slurm job to leave the queue")
     calls = relay.executor.commands.calls  # status calls: at most two per poll, and one sinfo at the start
     assert calls["squeue"] + calls["sacct"] + calls["sinfo"] <= 2 * relay.executor.polls + 1, (calls,
                                                                                               relay.executor.polls)

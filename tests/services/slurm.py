@@ -7,8 +7,8 @@ after installing Debian's ``slurmctld slurmd slurm-client munge`` when missing (
 NodeAddr=127.0.0.1``, ``ProctrackType=proctrack/linuxproc``, ``JobCompType=jobcomp/filetxt``,
 no accounting) and starts ``munged``, ``slurmctld`` and ``slurmd -N n1`` / ``-N n2``, each in a
 session of its own, and waits until both nodes are idle. ``nodes`` names them otherwise (the
-benchmark names them after host names that resolve, which torchx's rendezvous needs). ``env`` points the client commands at
-it (``SLURM_CONF``); never the system's Slurm or munge. ``stop_controller()`` /
+benchmark names them after host names that resolve, which torchx's rendezvous needs). ``env``
+points the client commands at it (``SLURM_CONF``); never the system's Slurm or munge. ``stop_controller()`` /
 ``start_controller()`` stop and start slurmctld alone (an unreachable controller);
 ``stop()`` ends every process it started and removes the folder; idempotent.
 """

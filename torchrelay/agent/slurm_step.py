@@ -44,7 +44,8 @@ STOP_REQUEST = "stop.request"  # the batch script writes it on ``--signal=B:USR1
 _CAUGHT = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGTERM", signal.SIGUSR1: "SIGUSR1"}
 
 
-def node_assignment(template: wire.LaunchAssignment, launch_ids: list[str], env: dict[str, str]) -> wire.LaunchAssignment:
+def node_assignment(template: wire.LaunchAssignment, launch_ids: list[str],
+                    env: dict[str, str]) -> wire.LaunchAssignment:
     """This node's assignment from node 0's ``template`` and Slurm's environment. Raises
     ``ValueError`` naming a variable that is missing or does not match the template."""
     try:

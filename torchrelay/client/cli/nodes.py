@@ -23,3 +23,6 @@ def nodes(output: Output = OutputOpt) -> None:
                       f"{format_memory(n.used_memory)}/{format_memory(n.memory)}", str(len(n.launches)),
                       ago(n.last_seen))
     console.print(table)
+    for n in found:  # what an executor said of its node (e.g. Slurm unreachable), below the table
+        if n.note:
+            console.print(f"{n.name}: {n.note}", markup=False, highlight=False)

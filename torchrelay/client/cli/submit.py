@@ -13,7 +13,8 @@ from torchrelay.client.cli.common import OutputOpt, Output, client, console, dum
 def submit(spec_file: Path = typer.Argument(..., help="job spec (YAML)"),
            set_: list[str] = typer.Option([], "--set", help="override a field: key=value, key.sub=value"),
            follow_: bool = typer.Option(False, "--follow", "-f", help="stream logs and progress until it ends"),
-           dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved spec (and what its executor would submit, e.g. a Slurm batch script); submit nothing"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved spec (and what its executor "
+                                        "would submit, e.g. a Slurm batch script); submit nothing"),
            output: Output = OutputOpt) -> None:
     """Submit a job; its workdir (relative to the spec file) is packed and uploaded."""
     from torchrelay.spec import JobSpec

@@ -41,7 +41,7 @@ from torchrelay.server.executors.slurm_commands import SlurmCommands, SlurmRefus
 from torchrelay.server.executors.slurm_folders import RecordTail, read_exit, unpack_code, write_launch_plan
 from torchrelay.server.executors.slurm_status import (AttemptView, LaunchFacts, Rule, SlurmJob, decide_attempt,
                                                       parse_jobcomp, parse_sacct, parse_squeue)
-from torchrelay.server.rows import Database, Rows
+from torchrelay.server.rows import Database, Rows, touch_node
 from torchrelay.server.scheduling import worker_shape
 from torchrelay.server.views import job_id_of
 from torchrelay.spec import JobSpec, JobState, NodeState
@@ -339,6 +339,8 @@ class SlurmExecutor(Executor):
             self._controller_down(host, str(exc))
             return
         self._controller_up(host)
+        with host.db.write() as rows:  # the node's "seen": when Slurm last answered
+            touch_node(rows.conn, self.node_id, host.clock(), unless_seen_after=host.clock() - 1.0)
         if ids:
             self._poll.jobs = jobs
             self._poll.missing = {i: (0 if i in jobs else self._poll.missing.get(i, 0) + 1) for i in ids}

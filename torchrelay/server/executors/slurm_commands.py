@@ -52,7 +52,8 @@ class SlurmCommands:
             return subprocess.run(list(argv), env=self.env, cwd=cwd, capture_output=True, text=True,
                                   timeout=self.timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise ExecutorUnavailable(f"`{' '.join(argv[:3])} …` did not answer within {self.timeout_s:g} s") from None
+            raise ExecutorUnavailable(f"`{' '.join(argv[:3])} …` did not answer within "
+                                      f"{self.timeout_s:g} s") from None
         except OSError as exc:
             raise ExecutorUnavailable(f"cannot run {argv[0]!r}: {exc}; is slurm-client installed?") from None
 
