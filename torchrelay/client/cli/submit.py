@@ -49,8 +49,8 @@ def _dry_run(spec: Any, output: Output) -> None:
     if spec.executor != DEFAULT_EXECUTOR:
         with client() as c:
             plan = c.dryrun(spec)
-    if output == Output.json:
-        print_json(plan or {"executor": spec.executor, "spec": spec.to_public(), "submission": None})
+    if output == Output.json:  # the resolved spec; with another executor, {"executor", "spec", "submission"}
+        print_json(plan or spec.to_public())
         return
     import yaml
     console.print(yaml.safe_dump(spec.to_public(), sort_keys=False), markup=False, highlight=False)
