@@ -24,7 +24,9 @@ def up(agents: int = typer.Option(1, "--agents", "-n", min=1, help="agents (node
        quotas: Path = typer.Option(None, "--quotas", help="per-user quotas (YAML), see docs/scheduling.md"),
        port: int = typer.Option(None, "--port", min=0, max=65535,
                                 help="the server's port on 127.0.0.1 (default: RELAY_ADDRESS's when set, "
-                                     "else one the OS picks)")) -> None:
+                                     "else one the OS picks)"),
+       slurm_partition: str = typer.Option(None, "--slurm-partition", help="the server also places jobs with "
+                                           "`executor: slurm` on this Slurm partition (docs/slurm.md)")) -> None:
     """Start an embedded cluster on this machine (state in RELAY_HOME). Its server listens where
     RELAY_ADDRESS says when set (refused when that is not this machine or the port is taken),
     else on 127.0.0.1 and --port."""
@@ -34,7 +36,7 @@ def up(agents: int = typer.Option(1, "--agents", "-n", min=1, help="agents (node
     relay_address = os.environ.get("RELAY_ADDRESS")
     plan = listen_plan(relay_address, port)
     cluster = start_cluster(agents, agent_cpus=cpus, heartbeat_timeout_s=heartbeat_timeout, quotas_file=quotas,
-                            listen=plan)
+                            listen=plan, server_args=["--slurm-partition", slurm_partition] if slurm_partition else [])
     console.print(f"cluster up: server {cluster.address}, {agents} agent(s); home {cluster.home}")
     if relay_address:
         console.print(f"  RELAY_ADDRESS={relay_address} names it")
