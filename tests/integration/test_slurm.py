@@ -23,8 +23,9 @@ import pytest
 import chaos
 from services.slurm import SlurmCluster
 from torchrelay.client.bundle import pack_dir
-from torchrelay.errors import InvalidSpec, Unschedulable
+from torchrelay.errors import ExecutorUnavailable, InvalidSpec, Unschedulable
 from torchrelay.server.executors.slurm import SlurmConfig, SlurmExecutor
+from torchrelay.server.executors.slurm_commands import SlurmCommands
 from torchrelay.server.service import ClusterService
 from torchrelay.spec import JobState
 
@@ -98,7 +99,12 @@ def sbatch_args():
 
 
 @pytest.fixture
-def relay(slurm, tmp_path, monkeypatch, sbatch_args):
+def commands():
+    return None
+
+
+@pytest.fixture
+def relay(slurm, tmp_path, monkeypatch, sbatch_args, commands):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("RELAY_HOME", str(home))  # chaos.* find only this test's processes
@@ -106,7 +112,7 @@ def relay(slurm, tmp_path, monkeypatch, sbatch_args):
     config = SlurmConfig(partition=slurm.partition, job_root=str(home / "slurm"), python=sys.executable,
                          poll_interval_s=1.0, file_interval_s=0.2, jobcomp_path=str(slurm.jobcomp),
                          cluster_id=f"t{uuid.uuid4().hex[:6]}", sbatch_args=tuple(sbatch_args))
-    executor = SlurmExecutor(config)
+    executor = SlurmExecutor(config, commands)
     service = ClusterService(f"sqlite:///{home / 'state.db'}", str(home / "store"), executors=[executor])
     service.start()
     relay = Relay(service, executor, slurm)
@@ -166,6 +172,32 @@ def test_sbatch_refusing_a_job_fails_it_with_sbatchs_own_words(relay):
     assert info.state == JobState.FAILED, relay.describe(job)
     assert info.failure.reason.startswith("sbatch failed: sbatch: error: "), info.failure
     assert "Invalid feature specification" in info.failure.reason, info.failure
+
+
+class LosesTheFirstAnswer(SlurmCommands):
+    """sbatch runs, and its answer is lost the first time (a timeout while slurmctld was slow)."""
+
+    lost = 0
+
+    def sbatch(self, script, cwd):
+        slurm_id = super().sbatch(script, cwd)
+        if not self.lost:
+            self.lost = 1
+            raise ExecutorUnavailable(f"`sbatch --parsable {script.name} …` did not answer within 30 s")
+        return slurm_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("commands", [LosesTheFirstAnswer()])
+def test_a_submission_whose_answer_was_lost_is_found_not_submitted_twice(relay):
+    job = relay.submit(PLAIN, entrypoint="python allreduce.py", workers=2, nodes=2, workers_per_node=1)
+    info = relay.wait(job)
+    assert info.state == JobState.SUCCEEDED, relay.describe(job)
+    assert relay.executor.commands.lost == 1 and relay.executor.commands.calls["sbatch"] == 1
+    name = relay.executor.config.slurm_name(job, 1)
+    assert relay.slurm.run("squeue", "-h", "-t", "all", "--name", name, "-o", "%i").stdout.split() == \
+        [relay.slurm_id(job)]
+    assert any("found in Slurm's queue, not submitted again" in e.message for e in info.events), info.events
 
 
 # ---------------------------------------------------------------- end to end

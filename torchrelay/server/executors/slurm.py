@@ -96,6 +96,7 @@ class SlurmExecutor(Executor):
         self._poll = _Poll()
         self._tails: dict[str, RecordTail] = {}
         self._stopping: dict[str, _Stopping] = {}
+        self._fresh: set[tuple[int, int]] = set()  # attempts placed by this process, not yet sbatch'ed
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -221,6 +222,7 @@ class SlurmExecutor(Executor):
                     _fail(rows, row, str(exc), now)
                     continue
                 attempt = host.control.begin_attempt(row)
+                self._fresh.add((row.seq, attempt))
                 host.control.record_placement(rows, row, self._plans(row.id, attempt, spec, shape),
                                               f"submitting to Slurm partition {self.config.partition!r} "
                                               f"({shape.nodes} node(s) × {shape.per_node})", now)
@@ -252,8 +254,13 @@ class SlurmExecutor(Executor):
     def _submit(self, host: Host, seq: int, attempt: int, launches: list[Any]) -> None:
         """Write the attempt's folder and ``sbatch`` it; record the Slurm id, or fail the job
         with sbatch's words. A controller that does not answer leaves it to a later step; an
-        attempt told to stop before it was submitted just ends."""
+        attempt told to stop before it was submitted just ends. An attempt this process did not
+        just place (its ``sbatch`` may have run without its answer arriving: a timeout, a server
+        restart) is first looked for in Slurm's queue by its job name, so it is never submitted
+        twice."""
         job_id = _job_id(launches[0])
+        fresh = (seq, attempt) in self._fresh
+        self._fresh.discard((seq, attempt))
         if launches[0].desired == "stop":
             self._end_unsubmitted(host, seq, attempt)
             return
@@ -261,6 +268,10 @@ class SlurmExecutor(Executor):
             shape = self._shape(rows.facts(seq).spec)
         attempt_dir = Path(self.config.attempt_dir(job_id, attempt))
         try:
+            found = [] if fresh else self.commands.job_ids_named(self.config.slurm_name(job_id, attempt))
+            if found:
+                self._record_submitted(host, job_id, attempt, found[0], "found in Slurm's queue, not submitted again")
+                return
             self._write_attempt(host, job_id, attempt, attempt_dir)
             script = attempt_dir / "job.sbatch"
             script.write_text(render_batch_script(self._submission(job_id, attempt, shape)))
@@ -272,11 +283,14 @@ class SlurmExecutor(Executor):
         except ExecutorUnavailable as exc:
             self._controller_down(host, str(exc))
             return
+        self._record_submitted(host, job_id, attempt, slurm_id, "submitted")
+
+    def _record_submitted(self, host: Host, job_id: str, attempt: int, slurm_id: str, how: str) -> None:
         with host.db.write() as rows:
             row = rows.job(job_id)
             for launch in rows.attempt_launches(row.seq, attempt):
                 launch.external_id = slurm_id
-            rows.add_event(row, f"Slurm job {slurm_id} submitted", host.clock())
+            rows.add_event(row, f"Slurm job {slurm_id} {how}", host.clock())
         self.kick()
 
     def _write_attempt(self, host: Host, job_id: str, attempt: int, attempt_dir: Path) -> None:

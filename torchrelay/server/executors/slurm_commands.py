@@ -11,6 +11,7 @@ Contract:
 - ``squeue(ids)``, ``sacct(ids)``, ``sinfo(partition)``: the command's text in the fixed
   formats of ``slurm_batch`` / ``slurm_status``. Raise ``ExecutorUnavailable`` naming the
   command and its error when it fails (controller down, timeout, command missing).
+- ``job_ids_named(name)``: the ids Slurm still lists under a job name (``squeue --name``).
 - ``scancel(ids, signal=None)``: one call for all ``ids``; ``signal``: signal the job steps
   only (``scancel -s SIG``), the job is not cancelled. Unknown ids are not an error.
 """
@@ -81,6 +82,10 @@ class SlurmCommands:
                 return ""
             raise ExecutorUnavailable(f"squeue failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
+
+    def job_ids_named(self, name: str) -> list[str]:
+        """Ids of the jobs Slurm still lists under ``name`` (any state)."""
+        return self._checked(["squeue", "-h", "-t", "all", "--name", name, "-o", "%i"]).split()
 
     def sacct(self, ids: Sequence[str]) -> str:
         return self._checked(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", SACCT_FORMAT])
