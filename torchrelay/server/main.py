@@ -6,6 +6,7 @@ socket, so a client that reads the file can connect at once. Blocks until SIGTER
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -15,8 +16,8 @@ from typing import Sequence
 
 import uvicorn
 
-from torchrelay.home import relay_home, server_file, write_json
 from torchrelay.errors import InvalidSpec
+from torchrelay.home import relay_home, server_file, write_json
 from torchrelay.server.app import create_app
 from torchrelay.server.executors import Executor
 from torchrelay.server.quotas import QuotaTable
@@ -42,9 +43,11 @@ def slurm_executor(*, partition: str, job_root: Path | None, store_url: str | No
         job_root = Path(local) / "slurm"
     job_root = Path(job_root).resolve()
     job_root.mkdir(parents=True, exist_ok=True)
+    # Slurm job names say which server's they are (an attempt is found again by its name): one per job folder
+    cluster_id = "relay-" + hashlib.sha1(str(job_root).encode()).hexdigest()[:6]
     config = SlurmConfig(partition=partition, job_root=str(job_root), python=python or sys.executable,
                          poll_interval_s=poll_interval_s, accounting=accounting,
-                         jobcomp_path=str(jobcomp) if jobcomp else None)
+                         jobcomp_path=str(jobcomp) if jobcomp else None, cluster_id=cluster_id)
     return SlurmExecutor(config)
 
 
