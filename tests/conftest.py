@@ -5,6 +5,7 @@ checks that none of its processes is left.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,22 +57,23 @@ def relay_home(tmp_path, monkeypatch):
     return home
 
 
-@pytest.fixture
-def server(relay_home):
-    """A real `relay server --port 0` process; yields its address."""
+@contextlib.contextmanager
+def serving(home: Path):
+    """A real `relay server --port 0` process with ``RELAY_HOME=home``; yields its address."""
     from torchrelay.home import read_json, server_file
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = open(relay_home / "server.log", "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAY_HOME": str(home)}
+    env.pop("RELAY_ADDRESS", None)
+    log = open(home / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "server", "--port", "0"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while True:
-            info = read_json(server_file(relay_home))
+            info = read_json(server_file(home))
             if info and info.get("pid") == proc.pid:
                 break
-            assert proc.poll() is None, (relay_home / "server.log").read_text()
+            assert proc.poll() is None, (home / "server.log").read_text()
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         yield info["address"]
@@ -80,6 +82,21 @@ def server(relay_home):
         proc.wait(timeout=10)
         log.close()
         assert group_members(proc.pid) == []
+
+
+@pytest.fixture
+def server(relay_home):
+    """A real `relay server --port 0` process; yields its address."""
+    with serving(relay_home) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory):
+    """One real server for a whole test module (its tests must not depend on each other's rows)."""
+    home = tmp_path_factory.mktemp("relay-home")
+    with serving(home) as address:
+        yield address
 
 
 @pytest.fixture

@@ -16,6 +16,11 @@ Clients
   GET    /jobs/{id}/artifacts          -> list[ArtifactInfo]
   GET    /jobs/{id}/artifacts/{path}   -> raw bytes
   GET    /nodes                        -> list[NodeInfo]
+  GET    /jobs/{id}/logs/stream?rank=  text/event-stream of log lines (SSE, Last-Event-ID resumes)
+  GET    /jobs/{id}/metrics/stream     text/event-stream of metric points
+  GET    /jobs/{id}/events/stream      text/event-stream of the job's events
+  GET    /events/stream                text/event-stream of every job's events
+  GET    /jobs/{id}/series?keys=&points=&start=&end=  -> downsampled metric series (SeriesPage)
   GET    /health                       -> {"ok": true, "version": ...}
 
 Agents
@@ -100,6 +105,17 @@ class JobEvent(_Model):
     message: str = ""
 
 
+class EventRecord(_Model):
+    """A job event as the event streams carry it: ``id`` is the event row's own, increasing."""
+
+    id: int
+    job_id: str
+    job_name: str
+    time: float
+    state: JobState
+    message: str = ""
+
+
 class JobInfo(_Model):
     id: str
     name: str
@@ -147,6 +163,25 @@ class MetricPage(_Model):
     points: list[MetricPoint]
     next_after: int
     job_state: JobState
+
+
+class Series(_Model):
+    """One metric of one rank, x = step; ``total`` is how many points the full series has
+    (``len(x)`` is fewer when downsampled). Non-finite values are null."""
+
+    key: str
+    rank: int
+    total: int
+    x: list[int]
+    y: list[float | None]
+
+
+class SeriesPage(_Model):
+    after: int = Field(description="the last metric point included: a metrics stream started here continues it")
+    job_state: JobState
+    keys: list[str] = Field(description="every metric key the job reported")
+    ranks: list[int] = Field(description="every rank that reported")
+    series: list[Series]
 
 
 class ArtifactInfo(_Model):

@@ -295,7 +295,7 @@ def test_preempted_job_checkpoints_in_grace_requeues_and_resumes(cluster_factory
         points = metric_points(c, victim.id)
         stopped_at, resumed = max_step(points, 1), resumed_from(points, 2)
         assert resumed == stopped_at, "the stop checkpoint is at the step the victim was on"
-        logs = [line.text for line in c.follow_logs(victim.id, wait=0)]
+        logs = [line.text for line in c.follow_logs(victim.id)]
         assert any(f"asked to stop; checkpoint committed at step {stopped_at}" in t for t in logs)
         assert_same_model(c, victim.id, tmp_path / "out", reference_model)
         assert_nothing_left(victim.id)

@@ -41,7 +41,7 @@ def test_two_nodes_two_workers_succeed(cluster_factory):
         final = c.wait(info.id, timeout=120)
         assert final.state == JobState.SUCCEEDED, final
         assert sorted(p.node_name for p in final.placement) == ["agent-0", "agent-1"]
-        texts = [line.text for line in c.follow_logs(info.id, wait=0)]
+        texts = [line.text for line in c.follow_logs(info.id)]
         assert "rank 0/2 sum=3" in texts and "rank 1/2 sum=3" in texts
         assert [e.state for e in final.events][-1] == JobState.SUCCEEDED
 
@@ -67,7 +67,7 @@ def test_cancel_mid_run_leaves_no_process(cluster_factory):
     cluster = cluster_factory(1)
     with RelayClient(cluster.address) as c:
         info = c.submit(plain_spec("sleep"), base_dir=JOBS)
-        for line in c.follow_logs(info.id, wait=5):
+        for line in c.follow_logs(info.id):
             if "still working" in line.text:
                 break
         assert len(worker_pids(cluster.home)) >= 2  # torchrun, the exit hooks and the workers

@@ -19,11 +19,13 @@ import httpx
 
 from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
-from torchrelay.errors import RelayError, ServerUnavailable, error_class
+from torchrelay.client.replies import raise_for_error
+from torchrelay.client.streams import follow_stream
+from torchrelay.errors import RelayError, ServerUnavailable
 from torchrelay.home import read_json, relay_home, server_file
 from torchrelay.spec import JobSpec
-from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, JobInfo, LogLine, LogPage, MetricPage, MetricPoint,
-                             NodeInfo, SubmitRequest)
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, EventRecord, JobInfo, LogLine, LogPage, MetricPage,
+                             MetricPoint, NodeInfo, SeriesPage, SubmitRequest)
 
 
 def recorded_address() -> str | None:
@@ -76,16 +78,7 @@ class RelayClient:
             raise ServerUnavailable(unreachable_message(
                 self.address, self._source, type(exc).__name__, home=str(relay_home()),
                 recorded=recorded_address())) from None
-        if resp.status_code >= 400:
-            try:
-                body = resp.json()
-                cls, detail = error_class(body.get("error", "")), body.get("detail", resp.text)
-            except ValueError:
-                cls, detail = RelayError, resp.text or f"HTTP {resp.status_code}"
-            if cls is RelayError and resp.status_code == 404:
-                from torchrelay.errors import NotFound
-                cls = NotFound
-            raise cls(detail)
+        raise_for_error(resp)
         return resp
 
     def _get(self, path: str, **kw: Any) -> Any:
@@ -198,15 +191,34 @@ class RelayClient:
             yield from page.points
             after = page.next_after
 
-    def follow_logs(self, job_id: str, *, rank: int | None = None, wait: float = 10) -> Iterator[LogLine]:
-        """Every log line until the job ends (then what is left is drained)."""
-        after = 0
-        while True:
-            page = self.logs(job_id, after=after, rank=rank, wait=wait)
-            yield from page.lines
-            after = page.next_after
-            if page.job_state.terminal and not page.lines:
-                return
+    def follow_logs(self, job_id: str, *, rank: int | None = None, after: int = 0) -> Iterator[LogLine]:
+        """Every log line after ``after`` until the job ends, as they come (the server-sent
+        event stream; a dropped connection resumes where it broke off)."""
+        params = {"rank": rank} if rank is not None else {}
+        for _event, lines in follow_stream(self._http, f"/jobs/{job_id}/logs/stream", after=after, params=params):
+            yield from (LogLine.model_validate(x) for x in lines)
+
+    def follow_metrics(self, job_id: str, *, after: int = 0) -> Iterator[MetricPoint]:
+        """Every metric point after ``after`` until the job ends, as they come (as ``follow_logs``)."""
+        for _event, points in follow_stream(self._http, f"/jobs/{job_id}/metrics/stream", after=after):
+            yield from (MetricPoint.model_validate(x) for x in points)
+
+    def follow_events(self, job_id: str | None = None, *, after: int = 0) -> Iterator[EventRecord]:
+        """A job's events until it ends, or (``job_id`` None) every job's, for ever."""
+        path = f"/jobs/{job_id}/events/stream" if job_id else "/events/stream"
+        for _event, events in follow_stream(self._http, path, after=after):
+            yield from (EventRecord.model_validate(x) for x in events)
+
+    def series(self, job_id: str, *, keys: list[str] | None = None, rank: int | None = None, points: int = 1000,
+               start: float | None = None, end: float | None = None) -> SeriesPage:
+        """The job's metric series downsampled to ``points`` each (full resolution in a small
+        ``start``..``end`` step range)."""
+        params: dict[str, Any] = {"points": points}
+        for name, value in (("keys", ",".join(keys) if keys else None), ("rank", rank), ("start", start),
+                            ("end", end)):
+            if value is not None:
+                params[name] = value
+        return SeriesPage.model_validate_json(self._request("GET", f"/jobs/{job_id}/series", params=params).content)
 
     def metrics(self, job_id: str, *, after: int = 0, wait: float = 0) -> MetricPage:
         return MetricPage.model_validate(self._get(f"/jobs/{job_id}/metrics", params={"after": after, "wait": wait},
@@ -229,9 +241,7 @@ class RelayClient:
                 raise RelayError(f"artifact path {art.path!r} would leave {dest}")
             target.parent.mkdir(parents=True, exist_ok=True)
             with self._http.stream("GET", f"/jobs/{job_id}/artifacts/{art.path}") as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    raise error_class(resp.json().get("error", ""))(resp.json().get("detail", ""))
+                raise_for_error(resp)
                 tmp = target.with_name(target.name + ".part")
                 with open(tmp, "wb") as fh:
                     for chunk in resp.iter_bytes(1 << 20):

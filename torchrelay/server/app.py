@@ -12,18 +12,19 @@ import contextlib
 import hashlib
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
-from torchrelay.server import longpoll
+from torchrelay.server import longpoll, streams
+from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo,
                              LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
-                             SubmitRequest)
+                             SeriesPage, SubmitRequest)
 
 MAX_WAIT_S = 60.0
 
@@ -43,7 +44,7 @@ def create_app(service: ClusterService) -> FastAPI:
                   openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)
     app.state.service = service
     _error_handlers(app)
-    for routes in (_bundle_routes, _job_routes, _agent_routes):
+    for routes in (_bundle_routes, _job_routes, _agent_routes, _stream_routes):
         app.include_router(routes(service))
 
     @app.get("/", include_in_schema=False)
@@ -162,6 +163,57 @@ def _job_routes(svc: ClusterService) -> APIRouter:
     @api.get("/nodes", response_model=list[NodeInfo])
     def list_nodes() -> list[NodeInfo]:
         return svc.list_nodes()
+
+    return api
+
+
+def _stream_routes(svc: ClusterService) -> APIRouter:
+    """Server-sent event streams (``streams``) and downsampled metric series (``series``)."""
+    api = APIRouter(prefix=API_PREFIX)
+    shared = streams.SharedReads()
+    cache = SeriesCache(svc.db)
+    LastEventId = Header(None, alias="last-event-id", description="resume after this row id (SSE reconnect)")
+    After = Query(0, ge=0, description="start after this row id (a first connect; Last-Event-ID wins)")
+
+    async def stream(feed: streams.Feed, last_event_id: str | None, after: int) -> StreamingResponse:
+        start = streams.start_id(last_event_id, after)
+        return StreamingResponse(streams.follow(svc, feed, start, shared), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    @api.get("/jobs/{job_id}/logs/stream", response_class=StreamingResponse)
+    async def stream_logs(job_id: str, rank: int | None = None, after: int = After,
+                          last_event_id: str | None = LastEventId) -> StreamingResponse:
+        """The job's log lines as they come (SSE, ``event: logs``); ends with ``event: end``."""
+        seq, _ = await run_in_threadpool(svc.job_state, job_id)
+        return await stream(streams.log_feed(svc, job_id, seq, rank), last_event_id, after)
+
+    @api.get("/jobs/{job_id}/metrics/stream", response_class=StreamingResponse)
+    async def stream_metrics(job_id: str, after: int = After,
+                             last_event_id: str | None = LastEventId) -> StreamingResponse:
+        """The job's metric points as they come (SSE, ``event: metrics``); ends with ``event: end``."""
+        seq, _ = await run_in_threadpool(svc.job_state, job_id)
+        return await stream(streams.metric_feed(svc, job_id, seq), last_event_id, after)
+
+    @api.get("/jobs/{job_id}/events/stream", response_class=StreamingResponse)
+    async def stream_job_events(job_id: str, after: int = After,
+                                last_event_id: str | None = LastEventId) -> StreamingResponse:
+        """The job's events (state changes, restarts, notes) as they come; ends with ``event: end``."""
+        seq, _ = await run_in_threadpool(svc.job_state, job_id)
+        return await stream(streams.event_feed(svc, job_id, seq), last_event_id, after)
+
+    @api.get("/events/stream", response_class=StreamingResponse)
+    async def stream_events(after: int = After, last_event_id: str | None = LastEventId) -> StreamingResponse:
+        """Every job's events as they come (SSE, ``event: events``); never ends."""
+        return await stream(streams.event_feed(svc, None, None), last_event_id, after)
+
+    @api.get("/jobs/{job_id}/series", response_model=SeriesPage)
+    def series(job_id: str, keys: str | None = Query(None, description="comma-separated metric keys (all)"),
+               rank: int | None = None, points: int = 1000, start: float | None = None,
+               end: float | None = None) -> SeriesPage:
+        """Metric series downsampled to ``points`` each (LTTB keeping every bucket's min, max,
+        first and last); ``start``/``end`` (steps) zoom, at full resolution when few enough."""
+        wanted = [k for k in keys.split(",") if k] if keys else None
+        return cache.page(job_id, wanted, rank, points, start, end)
 
     return api
 

@@ -36,7 +36,7 @@ from torchrelay.server.views import (JobView, LaunchView, NodeLiveness, Progress
                                      job_id_of, job_seq_of)
 from torchrelay.spec import (JobSpec, JobState, LaunchState, NodeState, check_launch_transition,
                              check_node_transition, check_transition)
-from torchrelay.wire import (FailureInfo, JobEvent, JobInfo, LaunchAssignment, LaunchStatus, NodeInfo,
+from torchrelay.wire import (EventRecord, FailureInfo, JobEvent, JobInfo, LaunchAssignment, LaunchStatus, NodeInfo,
                              NodeRegistration, PlacementInfo)
 
 _EXITED = LaunchState.EXITED.value
@@ -180,7 +180,8 @@ class Rows:
             row.waiting_reason = None
             self.cache.jobs.pop(row.seq, None)  # a finished job is never scheduled again
         self.s.add(EventRow(job_seq=row.seq, time=now, state=target.value, message=message))
-        self.outbox.keys.update((f"job:{row.seq}", f"logs:{row.seq}", f"metrics:{row.seq}", "jobs"))
+        self.outbox.keys.update((f"job:{row.seq}", f"logs:{row.seq}", f"metrics:{row.seq}", "jobs",
+                                 f"events:{row.seq}", "events"))
         if target.terminal or target in (JobState.QUEUED, JobState.RESTARTING):
             self.outbox.kick = True
 
@@ -188,6 +189,7 @@ class Rows:
         """An event in the job's current state."""
         self.s.add(EventRow(job_seq=row.seq, time=now, state=row.state, message=message))
         self.outbox.job_changed(row.seq)
+        self.outbox.keys.update((f"events:{row.seq}", "events"))
 
     def placed(self, row: JobRow, plans: Sequence[LaunchPlan], now: float) -> None:
         """Start the job's next attempt on ``plans`` (``row.attempt`` already counts it)."""
@@ -448,6 +450,15 @@ class Rows:
                                     .order_by(LaunchRow.node_rank)):
                 placed.setdefault((x.job_seq, x.attempt), []).append(x)
         return [self.job_info(row, launches=placed.get((row.seq, row.attempt), [])) for row in rows]
+
+    def events_after(self, after: int, job_seq: int | None, limit: int) -> list[EventRecord]:
+        """Event rows with id > ``after`` (of one job, or of all), in id order, at most ``limit``."""
+        q = (select(EventRow, JobRow.name).join(JobRow, JobRow.seq == EventRow.job_seq)
+             .where(EventRow.id > after).order_by(EventRow.id).limit(limit))
+        if job_seq is not None:
+            q = q.where(EventRow.job_seq == job_seq)
+        return [EventRecord(id=e.id, job_id=job_id_of(e.job_seq), job_name=name, time=e.time, state=JobState(e.state),
+                            message=e.message) for e, name in self.s.execute(q)]
 
     def node_infos(self) -> list[NodeInfo]:
         out = []

@@ -8,6 +8,7 @@ are done by ``longpoll`` with the ``notifier`` keys:
     "node:<id>"   the node's desired launches changed      (heartbeat long-poll)
     "logs:<seq>"  new log lines of a job                    (logs -f)
     "metrics:<seq>", "job:<seq>", "jobs"                    (metrics / status follow)
+    "events:<seq>", "events"  a job's / any job's new event row    (event streams)
 
 ``tick()`` is the control loop's one step (``control.Control``); ``start()`` runs it in a
 background thread whenever something changes, and at least every ``tick_s``.
@@ -37,7 +38,7 @@ from torchrelay.server.submissions import Submissions
 from torchrelay.server.watchdogs import forgotten_launches
 from torchrelay.spec import JobState, LaunchState, NodeState
 from torchrelay.storage import ArtifactStore
-from torchrelay.wire import (ArtifactInfo, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus, LogBatch, LogPage,
+from torchrelay.wire import (ArtifactInfo, EventRecord, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus, LogBatch, LogPage,
                              MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply)
 
 _log = logging.getLogger("torchrelay.server")
@@ -162,6 +163,14 @@ class ClusterService:
     def metrics(self, job_id: str, after: int = 0, limit: int = 10000) -> MetricPage:
         with self.db.read() as rows:
             return telemetry.metric_page(rows.s, rows.job(job_id), after, limit)
+
+    def events(self, after: int = 0, job_id: str | None = None, limit: int = 1000) -> tuple[list[EventRecord], JobState | None]:
+        """Events with id > ``after``, of one job (and its state) or of every job (state None).
+        Raises NotFound."""
+        with self.db.read() as rows:
+            row = rows.job(job_id) if job_id is not None else None
+            events = rows.events_after(after, row.seq if row else None, limit)
+            return events, JobState(row.state) if row else None
 
     def ingest_logs(self, job_id: str, batch: LogBatch) -> int:
         """Store new log records; resent ones (seq already seen) are skipped. Returns rows added."""

@@ -73,6 +73,14 @@ def metric_page(s: Session, job: JobRow, after: int, limit: int) -> MetricPage:
     return MetricPage(points=out, next_after=pts[-1].id if pts else after, job_state=JobState(job.state))
 
 
+def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tuple[int, int, int, dict[str, Any]]]:
+    """(id, rank, step, values) of the job's metric rows after ``after``, in id order (no ORM
+    objects: a series cache reads millions)."""
+    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.values)
+         .where(MetricRow.job_seq == job.seq, MetricRow.id > after).order_by(MetricRow.id).limit(limit))
+    return [tuple(r) for r in s.execute(q)]
+
+
 def _unseen(s: Session, records: Iterable[Any], key_of: Callable[[Any], str]) -> list:
     """The records newer than what was stored before for their key, in sequence order;
     advances each key's cursor."""
