@@ -138,3 +138,27 @@ def no_agent_cgroups_left():
     usable, _ = cgroups.cgroups_usable()
     if usable:
         cgroups.sweep_dead_agents(cgroups.detect())
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOTS = REPO / "out" / "screenshots"
+
+
+@pytest.fixture(scope="session")
+def browser_context(tmp_path_factory):
+    """One headless Chromium (Debian's) for the whole session, driven by Playwright, with a
+    fresh profile; tests open their own pages in it. Skips, saying why, without either."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian's chromium package; `make services` installs it)")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_api.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 1000})
+        try:
+            yield context
+        finally:
+            context.close()

@@ -16,10 +16,12 @@ from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
 from torchrelay.server import longpoll, streams
+from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_routes
 from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo,
@@ -47,10 +49,8 @@ def create_app(service: ClusterService) -> FastAPI:
     for routes in (_bundle_routes, _job_routes, _agent_routes, _stream_routes):
         app.include_router(routes(service))
 
-    @app.get("/", include_in_schema=False)
-    def root() -> dict[str, str]:
-        return {"torchrelay": __version__, "api": API_PREFIX, "openapi": f"{API_PREFIX}/openapi.json"}
-
+    app.include_router(dashboard_routes(service))
+    app.mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="dashboard-static")
     return app
 
 
@@ -202,8 +202,13 @@ def _stream_routes(svc: ClusterService) -> APIRouter:
         return await stream(streams.event_feed(svc, job_id, seq), last_event_id, after)
 
     @api.get("/events/stream", response_class=StreamingResponse)
-    async def stream_events(after: int = After, last_event_id: str | None = LastEventId) -> StreamingResponse:
+    async def stream_events(after: int = After, last_event_id: str | None = LastEventId,
+                            tail: int | None = Query(None, ge=0, description="start with the newest `tail` events "
+                                                     "(instead of `after`; a reconnect's Last-Event-ID wins)")
+                            ) -> StreamingResponse:
         """Every job's events as they come (SSE, ``event: events``); never ends."""
+        if tail is not None:
+            after = max(0, await run_in_threadpool(svc.last_event_id) - tail)
         return await stream(streams.event_feed(svc, None, None), last_event_id, after)
 
     @api.get("/jobs/{job_id}/series", response_model=SeriesPage)

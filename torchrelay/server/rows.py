@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from torchrelay import scheduler as policy
@@ -459,6 +459,9 @@ class Rows:
             q = q.where(EventRow.job_seq == job_seq)
         return [EventRecord(id=e.id, job_id=job_id_of(e.job_seq), job_name=name, time=e.time, state=JobState(e.state),
                             message=e.message) for e, name in self.s.execute(q)]
+
+    def last_event_id(self) -> int:
+        return self.s.scalar(select(func.max(EventRow.id))) or 0
 
     def node_infos(self) -> list[NodeInfo]:
         out = []

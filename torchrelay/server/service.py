@@ -38,6 +38,7 @@ from torchrelay.server.submissions import Submissions
 from torchrelay.server.watchdogs import forgotten_launches
 from torchrelay.spec import JobState, LaunchState, NodeState
 from torchrelay.storage import ArtifactStore
+from torchrelay.storage.keys import validate_relative_path
 from torchrelay.wire import (ArtifactInfo, EventRecord, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus, LogBatch, LogPage,
                              MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply)
 
@@ -172,6 +173,11 @@ class ClusterService:
             events = rows.events_after(after, row.seq if row else None, limit)
             return events, JobState(row.state) if row else None
 
+    def last_event_id(self) -> int:
+        """The newest event row's id (0 when there is none)."""
+        with self.db.read() as rows:
+            return rows.last_event_id()
+
     def ingest_logs(self, job_id: str, batch: LogBatch) -> int:
         """Store new log records; resent ones (seq already seen) are skipped. Returns rows added."""
         with self.db.write() as rows:
@@ -222,6 +228,16 @@ class ClusterService:
         """Store ``data`` as the job's artifact ``path`` (replacing it). Raises NotFound, StorageError."""
         self.store.put_bytes(self.artifact_key(job_id, path), data)
         return ArtifactInfo(path=path, size=len(data))
+
+    def checkpoints(self, job_id: str) -> list[ArtifactInfo]:
+        """The files of the job's checkpoints, paths relative to its checkpoint folder. Raises NotFound."""
+        return [ArtifactInfo(path=p, size=n) for p, n in self.store.list(ArtifactStore.checkpoint_prefix(
+            self._known(job_id)))]
+
+    def checkpoint_file(self, job_id: str, path: str) -> bytes:
+        """One checkpoint file's bytes. Raises NotFound, StorageError (a path leaving the folder)."""
+        prefix = ArtifactStore.checkpoint_prefix(self._known(job_id))
+        return self.store.get_bytes(f"{prefix}/{validate_relative_path(path)}")
 
     def artifact_key(self, job_id: str, path: str) -> str:
         """Where the job's artifact ``path`` is stored. Raises NotFound, StorageError (a bad path)."""

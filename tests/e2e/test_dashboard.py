@@ -1,0 +1,132 @@
+"""The dashboard in a real browser (Debian's Chromium, driven by Playwright) against a real
+server and agent running real training jobs. Screenshots of each page go to out/screenshots/.
+
+The page is reached through a proxy whose connections the test cuts, so the browser's own
+EventSource reconnects (with Last-Event-ID) while the job trains.
+"""
+import re
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+from conftest import SCREENSHOTS
+from tcp_proxy import CuttableProxy
+from torchrelay.client.cluster import AgentOptions, start_cluster, stop_cluster
+from torchrelay.client.sdk import RelayClient
+from torchrelay.spec import JobSpec, JobState
+
+pytestmark = pytest.mark.timeout(240)
+JOBS = __import__("pathlib").Path(__file__).resolve().parents[1] / "jobs" / "dash"
+
+
+@pytest.fixture(scope="module")
+def dash(tmp_path_factory):
+    """(client, dashboard base URL through the proxy, the proxy) for one cluster of one agent."""
+    home = tmp_path_factory.mktemp("relay-dash")
+    cluster = start_cluster(1, home=home, agent_options=[AgentOptions(cpus=4, labels={"zone": "test"})])
+    try:
+        with CuttableProxy(urlparse(cluster.address).port) as proxy, RelayClient(cluster.address) as c:
+            yield c, f"http://127.0.0.1:{proxy.port}", proxy
+    finally:
+        stop_cluster(home)
+
+
+def _submit(c, steps, pause, **extra):
+    spec = {"name": "dash", "entrypoint": f"python train.py {steps} {pause}", "workers": 2, **extra}
+    return c.submit(JobSpec.parse(spec), base_dir=JOBS).id
+
+
+def _shot(page, name):
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def _points(page, key="loss"):
+    value = page.get_attribute(f'[data-key="{key}"]', "data-points")
+    return int(value or 0)
+
+
+def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, browser_context):
+    c, base, proxy = dash
+    job_id = _submit(c, steps=80, pause=0.1)
+    page = browser_context.new_page()
+    try:
+        page.goto(f"{base}/#/jobs/{job_id}")
+        page.wait_for_selector('[data-key="loss"][data-points]:not([data-points="0"])', timeout=90_000)
+        # the curve gains points while the job trains, and the streams survive two cuts
+        seen, cuts = _points(page), 0
+        while c.job(job_id).state == JobState.RUNNING and cuts < 2:
+            page.wait_for_function(f'document.querySelector(\'[data-key="loss"]\').dataset.points > {seen}',
+                                   timeout=30_000)
+            seen = _points(page)
+            cuts += proxy.cut() > 0
+            time.sleep(0.5)
+        assert cuts == 2, "the job ended before the streams could be cut twice"
+        final = c.wait(job_id, timeout=120)
+        assert final.state == JobState.SUCCEEDED, final
+        page.wait_for_selector('#logs[data-ended="1"]', timeout=30_000)
+        page.wait_for_function('document.querySelector(\'[data-key="loss"]\').dataset.lastStep == "79"')
+        # ranks trained on different data: one line per rank (uPlot's legend: step, rank 0, rank 1)
+        assert page.locator('[data-key="loss"] .u-legend .u-series').count() == 3
+        # every log line exactly once, in order, although the stream was cut mid-run
+        shown = [int(x) for x in page.eval_on_selector_all("#logs .line", "els => els.map(e => e.dataset.seq)")]
+        assert shown == [line.seq for line in c.iter_logs(job_id)]
+        assert len(shown) >= 160
+        _shot(page, "job")
+        page.fill("#log-search", "step 42 ")
+        found = page.eval_on_selector_all("#logs .line", "els => els.map(e => e.textContent)")
+        assert sorted(found) == ["[0] rank 0 step 42 " + t.split("step 42 ")[1] for t in found if "[0]" in t] + \
+            ["[1] rank 1 step 42 " + t.split("step 42 ")[1] for t in found if "[1]" in t] and len(found) == 2
+        _shot(page, "job-log-search")
+        page.fill("#log-search", "")
+        page.select_option("#log-rank", "1")
+        page.wait_for_function('document.querySelector("#logs").dataset.ended === "1" && '
+                               'document.querySelectorAll("#logs .line").length >= 80')
+        ranks = set(page.eval_on_selector_all("#logs .line", "els => els.map(e => e.dataset.rank)"))
+        assert ranks == {"1"}
+        links = page.eval_on_selector_all("#artifacts a", "els => els.map(e => e.getAttribute('href'))")
+        assert f"/api/v1/jobs/{job_id}/artifacts/model.pt" in links
+        assert page.locator("#checkpoints a").count() >= 1
+        assert c.artifact_bytes(job_id, "model.pt")  # the link's target answers
+    finally:
+        page.close()
+
+
+def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_context):
+    c, base, _ = dash
+    running = _submit(c, steps=100_000, pause=0.05, resources={"cpu": 2})  # holds all 4 cpus
+    waiting = _submit(c, steps=1, pause=0, resources={"cpu": 2})
+    page = browser_context.new_page()
+    try:
+        page.goto(f"{base}/#/cluster")
+        page.wait_for_selector('[data-node="agent-0"]')
+        row = page.inner_text('[data-node="agent-0"]')
+        assert "READY" in row and "zone=test" in row
+        page.wait_for_selector("#cluster-events li")
+        _shot(page, "cluster")
+        page.goto(f"{base}/#/queue")
+        page.wait_for_selector(f'#queue [data-job="{waiting}"]', timeout=60_000)
+        assert re.search(r"\S", page.inner_text(f'#queue [data-job="{waiting}"] td:nth-child(7)'))  # the reason
+        _shot(page, "queue")
+        page.goto(f"{base}/#/jobs?state=SUCCEEDED")
+        page.wait_for_selector("#jobs tr[data-job]")
+        states = page.eval_on_selector_all("#jobs tr[data-job] .state", "els => els.map(e => e.textContent)")
+        assert states and set(states) == {"SUCCEEDED"}
+        page.goto(f"{base}/#/jobs")
+        page.wait_for_selector(f'#jobs [data-job="{running}"]')
+        page.fill("#filter-text", running)
+        assert page.eval_on_selector_all("#jobs tr[data-job]", "els => els.map(e => e.dataset.job)") == [running]
+        _shot(page, "jobs")
+        # cancel from the job's page, once it trains
+        page.goto(f"{base}/#/jobs/{running}")
+        page.wait_for_selector('[data-key="loss"][data-points]:not([data-points="0"])', timeout=90_000)
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#cancel")
+        assert c.wait(running, timeout=60).state == JobState.CANCELLED
+        page.wait_for_selector("#job-head .s-cancelled", timeout=30_000)
+        _shot(page, "job-cancelled")
+    finally:
+        page.close()
+        c.cancel(running)
+        c.cancel(waiting)
