@@ -8,6 +8,7 @@ import re
 import time
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 
 from conftest import SCREENSHOTS
@@ -42,6 +43,15 @@ def _shot(page, name):
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
 
+def _scrape(base):
+    """/metrics parsed by prometheus_client's own parser: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def _points(page, key="loss"):
     value = page.get_attribute(f'[data-key="{key}"]', "data-points")
     return int(value or 0)
@@ -49,6 +59,7 @@ def _points(page, key="loss"):
 
 def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, browser_context):
     c, base, proxy = dash
+    before = _scrape(base)
     job_id = _submit(c, steps=80, pause=0.1)
     page = browser_context.new_page()
     try:
@@ -89,6 +100,17 @@ def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, brow
         assert f"/api/v1/jobs/{job_id}/artifacts/model.pt" in links
         assert page.locator("#checkpoints a").count() >= 1
         assert c.artifact_bytes(job_id, "model.pt")  # the link's target answers
+        after = _scrape(base)
+        moved = {name: after.get((name, labels), 0) - before.get((name, labels), 0) for name, labels in [
+            ("torchrelay_submitted_jobs_total", ()), ("torchrelay_admitted_jobs_total", ()),
+            ("torchrelay_admission_wait_time_seconds_count", ()),
+            ("torchrelay_finished_jobs_total", (("state", "SUCCEEDED"),)),
+            ("torchrelay_jobs", (("state", "SUCCEEDED"), ("user", c.user)))]}
+        assert moved == dict.fromkeys(moved, 1), moved
+        assert after[("torchrelay_node_heartbeat_age_seconds", (("node", "agent-0"),))] < 60
+        assert after[("torchrelay_scheduling_cycle_seconds_count", ())] > before[("torchrelay_scheduling_cycle_seconds_count", ())]
+        route = (("code", "200"), ("method", "GET"), ("route", "/api/v1/jobs/{job_id}/logs/stream"))
+        assert after[("torchrelay_api_request_duration_seconds_count", route)] >= 3  # the page's stream, twice reopened
     finally:
         page.close()
 
@@ -109,10 +131,10 @@ def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_con
         page.wait_for_selector(f'#queue [data-job="{waiting}"]', timeout=60_000)
         assert re.search(r"\S", page.inner_text(f'#queue [data-job="{waiting}"] td:nth-child(7)'))  # the reason
         _shot(page, "queue")
-        page.goto(f"{base}/#/jobs?state=SUCCEEDED")
-        page.wait_for_selector("#jobs tr[data-job]")
+        page.goto(f"{base}/#/jobs?state=QUEUED")
+        page.wait_for_selector(f'#jobs tr[data-job="{waiting}"]')
         states = page.eval_on_selector_all("#jobs tr[data-job] .state", "els => els.map(e => e.textContent)")
-        assert states and set(states) == {"SUCCEEDED"}
+        assert set(states) == {"QUEUED"}
         page.goto(f"{base}/#/jobs")
         page.wait_for_selector(f'#jobs [data-job="{running}"]')
         page.fill("#filter-text", running)
@@ -121,6 +143,13 @@ def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_con
         # cancel from the job's page, once it trains
         page.goto(f"{base}/#/jobs/{running}")
         page.wait_for_selector('[data-key="loss"][data-points]:not([data-points="0"])', timeout=90_000)
+        page.wait_for_function('document.querySelector(\'[data-key="loss"]\').dataset.points > 5')
+        # /metrics while the job trains: its step rate and samples/s, and why the other waits
+        labels = (("job", running), ("name", "dash"), ("user", c.user))
+        scrape = _scrape(base)
+        assert scrape[("torchrelay_job_step_rate", labels)] > 0
+        assert scrape[("torchrelay_job_samples_per_second", labels)] > 0
+        assert scrape[("torchrelay_pending_jobs", (("reason", "resources"),))] >= 1
         page.once("dialog", lambda dialog: dialog.accept())
         page.click("#cancel")
         assert c.wait(running, timeout=60).state == JobState.CANCELLED

@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
-from torchrelay.server import longpoll, streams
+from torchrelay.server import longpoll, prometheus, streams
 from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_routes
 from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
@@ -50,6 +50,7 @@ def create_app(service: ClusterService) -> FastAPI:
         app.include_router(routes(service))
 
     app.include_router(dashboard_routes(service))
+    prometheus.install(app, service)
     app.mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="dashboard-static")
     return app
 

@@ -46,6 +46,8 @@ class Control:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # called with each background cycle's duration in seconds (the /metrics histogram)
+        self.on_cycle: Callable[[float], None] | None = None
 
     # ------------------------------------------------------------ the loop
 
@@ -86,6 +88,8 @@ class Control:
                 self.tick()
             except Exception:  # the loop must survive a bad row; the error is logged
                 _log.exception("scheduler tick failed")
+            if self.on_cycle is not None:
+                self.on_cycle(time.monotonic() - started)
             # a long queue makes a cycle cost more: space cycles so that they hold the lock at
             # most about a third of the time and requests (submits, heartbeats) get through
             self._stop.wait(max(self.min_tick_interval_s, 2 * (time.monotonic() - started)))

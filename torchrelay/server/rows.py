@@ -460,6 +460,16 @@ class Rows:
         return [EventRecord(id=e.id, job_id=job_id_of(e.job_seq), job_name=name, time=e.time, state=JobState(e.state),
                             message=e.message) for e, name in self.s.execute(q)]
 
+    def job_counts(self) -> list[tuple[str, str | None, int]]:
+        """(state, user, number of jobs) for every pair that has jobs."""
+        q = select(JobRow.state, JobRow.user, func.count()).group_by(JobRow.state, JobRow.user)
+        return [(state, user, n) for state, user, n in self.s.execute(q)]
+
+    def waiting_reasons(self) -> list[str | None]:
+        """Why each waiting (QUEUED or RESTARTING) job waits (None: not yet considered)."""
+        q = select(JobRow.waiting_reason).where(JobRow.state.in_((JobState.QUEUED.value, JobState.RESTARTING.value)))
+        return list(self.s.scalars(q))
+
     def last_event_id(self) -> int:
         return self.s.scalar(select(func.max(EventRow.id))) or 0
 

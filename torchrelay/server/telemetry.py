@@ -81,6 +81,14 @@ def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tupl
     return [tuple(r) for r in s.execute(q)]
 
 
+def recent_steps(s: Session, job: JobRow, count: int) -> list[tuple[int, float]]:
+    """(step, time) of the newest ``count`` metric points of the rank that reported last, oldest first."""
+    rank = s.scalar(select(MetricRow.rank).where(MetricRow.job_seq == job.seq).order_by(MetricRow.id.desc()).limit(1))
+    q = (select(MetricRow.step, MetricRow.time).where(MetricRow.job_seq == job.seq, MetricRow.rank == rank)
+         .order_by(MetricRow.id.desc()).limit(count))
+    return [(step, t) for step, t in s.execute(q)][::-1]
+
+
 def _unseen(s: Session, records: Iterable[Any], key_of: Callable[[Any], str]) -> list:
     """The records newer than what was stored before for their key, in sequence order;
     advances each key's cursor."""
