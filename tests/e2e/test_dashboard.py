@@ -4,7 +4,10 @@ server and agent running real training jobs. Screenshots of each page go to out/
 The page is reached through a proxy whose connections the test cuts, so the browser's own
 EventSource reconnects (with Last-Event-ID) while the job trains.
 """
+import os
 import re
+import subprocess
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -57,7 +60,7 @@ def _points(page, key="loss"):
     return int(value or 0)
 
 
-def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, browser_context):
+def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, browser_context, tmp_path):
     c, base, proxy = dash
     before = _scrape(base)
     job_id = _submit(c, steps=80, pause=0.1)
@@ -113,6 +116,43 @@ def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, brow
         assert after[("torchrelay_api_request_duration_seconds_count", route)] >= 3  # the page's stream, twice reopened
     finally:
         page.close()
+    _cli_follows_the_streams(c, job_id)
+    _tensorboard_files_read_back(c, job_id, tmp_path)
+
+
+def _cli_follows_the_streams(c, job_id):
+    """`relay logs -f` and `relay metrics -f` (the SSE streams) print every line and point once."""
+    env = {**os.environ, "RELAY_ADDRESS": c.address}
+    relay = [sys.executable, "-m", "torchrelay.client.cli.main"]
+    logs = subprocess.Popen(relay + ["logs", job_id, "-f", "--rank", "1"], env=env, stdout=subprocess.PIPE, text=True)
+    metrics = subprocess.Popen(relay + ["metrics", job_id, "-f", "--rank", "-1"], env=env, stdout=subprocess.PIPE,
+                               text=True)
+    log_lines = logs.communicate(timeout=120)[0].splitlines()
+    metric_lines = metrics.communicate(timeout=120)[0].splitlines()
+    assert logs.returncode == 0 and metrics.returncode == 0
+    assert [x.split(" loss")[0] for x in log_lines] == [f"[rank 1] rank 1 step {i}" for i in range(80)]
+    assert sorted(x.split("  ")[0] + x.split("  ")[1] for x in metric_lines) == sorted(
+        f"step {i}rank {r}" for i in range(80) for r in (0, 1))
+
+
+def _tensorboard_files_read_back(c, job_id, tmp_path):
+    """The server wrote the finished job's event files; `relay tensorboard --no-start` fetches
+    them and TensorBoard's own reader finds every step of each rank (the ranks differ)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    deadline = time.monotonic() + 60
+    while not any(a.path.startswith("tensorboard/") for a in c.artifacts(job_id)):
+        assert time.monotonic() < deadline, "no TensorBoard files among the artifacts"
+        time.sleep(0.2)
+    env = {**os.environ, "RELAY_ADDRESS": c.address}
+    out = subprocess.run([sys.executable, "-m", "torchrelay.client.cli.main", "tensorboard", job_id, "--no-start",
+                          "--dest", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        acc = EventAccumulator(str(tmp_path / job_id / "tensorboard" / f"rank-{rank}"))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("loss")] == list(range(80))
+        assert {"loss", "samples_per_s"} <= set(acc.Tags()["scalars"])
 
 
 def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_context):

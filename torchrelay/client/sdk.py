@@ -224,6 +224,11 @@ class RelayClient:
         return MetricPage.model_validate(self._get(f"/jobs/{job_id}/metrics", params={"after": after, "wait": wait},
                                                    timeout=wait + 30))
 
+    def write_tensorboard(self, job_id: str) -> list[str]:
+        """Have the server write the job's TensorBoard event files from its metrics so far;
+        returns their artifact paths (``tensorboard/rank-R/…``)."""
+        return self._request("POST", f"/jobs/{job_id}/tensorboard", timeout=300).json()
+
     def artifacts(self, job_id: str) -> list[ArtifactInfo]:
         return [ArtifactInfo.model_validate(x) for x in self._get(f"/jobs/{job_id}/artifacts")]
 
@@ -231,11 +236,14 @@ class RelayClient:
         """One artifact's bytes. Raises NotFound naming it when the job has no such artifact."""
         return self._request("GET", f"/jobs/{job_id}/artifacts/{path}").content
 
-    def download(self, job_id: str, dest: str | Path) -> list[Path]:
-        """Fetch every artifact of the job into ``dest``; returns the written paths."""
+    def download(self, job_id: str, dest: str | Path, *, prefix: str = "") -> list[Path]:
+        """Fetch every artifact of the job (whose path starts with ``prefix``) into ``dest``;
+        returns the written paths."""
         dest = Path(dest)
         written = []
         for art in self.artifacts(job_id):
+            if not art.path.startswith(prefix):
+                continue
             target = (dest / art.path).resolve()
             if dest.resolve() not in target.parents:
                 raise RelayError(f"artifact path {art.path!r} would leave {dest}")

@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
-from torchrelay.server import longpoll, prometheus, streams
+from torchrelay.server import longpoll, prometheus, streams, tensorboard
 from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_routes
 from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
@@ -34,12 +34,16 @@ MAX_WAIT_S = 60.0
 def create_app(service: ClusterService) -> FastAPI:
     """The server app. The scheduler thread runs while the app is served."""
 
+    exporter = tensorboard.Exporter(service)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         service.start()
+        exporter.start()
         try:
             yield
         finally:
+            exporter.stop()
             service.stop()
 
     app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
@@ -51,6 +55,7 @@ def create_app(service: ClusterService) -> FastAPI:
 
     app.include_router(dashboard_routes(service))
     prometheus.install(app, service)
+    app.include_router(tensorboard.tensorboard_routes(exporter))
     app.mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="dashboard-static")
     return app
 

@@ -68,8 +68,8 @@ class _Job:
     points: int = 0
     lines: dict[tuple[str, int], _Line] = field(default_factory=dict)
 
-    def add_rows(self, rows: list[tuple[int, int, int, dict]]) -> None:
-        for row_id, rank, step, values in rows:
+    def add_rows(self, rows: list[tuple[int, int, int, float, dict]]) -> None:
+        for row_id, rank, step, _time, values in rows:
             for key, value in values.items():
                 line = self.lines.get((key, rank))
                 if line is None:

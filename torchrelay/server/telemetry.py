@@ -73,10 +73,10 @@ def metric_page(s: Session, job: JobRow, after: int, limit: int) -> MetricPage:
     return MetricPage(points=out, next_after=pts[-1].id if pts else after, job_state=JobState(job.state))
 
 
-def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tuple[int, int, int, dict[str, Any]]]:
-    """(id, rank, step, values) of the job's metric rows after ``after``, in id order (no ORM
-    objects: a series cache reads millions)."""
-    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.values)
+def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tuple[int, int, int, float, dict[str, Any]]]:
+    """(id, rank, step, time, values) of the job's metric rows after ``after``, in id order (no
+    ORM objects: a series cache reads millions)."""
+    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.time, MetricRow.values)
          .where(MetricRow.job_seq == job.seq, MetricRow.id > after).order_by(MetricRow.id).limit(limit))
     return [tuple(r) for r in s.execute(q)]
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import typer
 
-from torchrelay.client.cli import agent, download, jobs, logs, metrics, nodes, queue, run, server, submit, up
+from torchrelay.client.cli import (agent, download, jobs, logs, metrics, nodes, queue, run, server, submit,
+                                  tensorboard, up)
 
 app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -21,6 +22,7 @@ app.command("logs")(logs.logs)
 app.command("metrics")(metrics.metrics)
 app.command("download")(download.download)
 app.command("nodes")(nodes.nodes)
+app.command("tensorboard")(tensorboard.tensorboard)
 
 
 def main() -> None:
