@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench venv clean services
+.PHONY: demo test test-all bench venv clean services dashboard
 
 venv: $(STAMP)
 
@@ -31,6 +31,14 @@ bench: $(STAMP)
 # The fixtures install them too when missing; CI runs this first so no test pays for it.
 services:
 	-bash tests/services/install.sh
+
+# The dashboard has no build step; this refreshes the vendored chart library (needs npm).
+UPLOT_VERSION := 1.6.32
+VENDOR := torchrelay/server/dashboard/static/vendor
+dashboard:
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack -q uplot@$(UPLOT_VERSION) >/dev/null && tar xzf uplot-*.tgz && \
+	cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css $(CURDIR)/$(VENDOR)/ && \
+	cp package/LICENSE $(CURDIR)/$(VENDOR)/uPlot.LICENSE && rm -rf $$tmp
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,7 +4,9 @@
 lifetime (started and stopped by the lifespan). Each route calls one service method (blocking
 ones in the thread pool) or one long-poll of ``longpoll``. Errors from ``torchrelay.errors``
 become ``{"error": ClassName, "detail": message}`` with the class's HTTP status. The OpenAPI
-document is served at ``/api/v1/openapi.json`` (docs UI at ``/api/v1/docs``).
+document is served at ``/api/v1/openapi.json`` (docs UI at ``/api/v1/docs``). The dashboard
+(``dashboard``), ``/metrics`` (``prometheus``) and the TensorBoard export (``tensorboard``)
+bring routers of their own.
 """
 from __future__ import annotations
 
