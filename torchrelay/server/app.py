@@ -222,11 +222,13 @@ def _stream_routes(svc: ClusterService) -> APIRouter:
     @api.get("/jobs/{job_id}/series", response_model=SeriesPage)
     def series(job_id: str, keys: str | None = Query(None, description="comma-separated metric keys (all)"),
                rank: int | None = None, points: int = 1000, start: float | None = None,
-               end: float | None = None) -> SeriesPage:
+               end: float | None = None) -> Response:
         """Metric series downsampled to ``points`` each (LTTB keeping every bucket's min, max,
         first and last); ``start``/``end`` (steps) zoom, at full resolution when few enough."""
         wanted = [k for k in keys.split(",") if k] if keys else None
-        return cache.page(job_id, wanted, rank, points, start, end)
+        page = cache.page(job_id, wanted, rank, points, start, end)
+        # serialized once here: returning the model would have FastAPI validate 100,000 floats again
+        return Response(content=page.model_dump_json(), media_type="application/json")
 
     return api
 

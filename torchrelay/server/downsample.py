@@ -4,8 +4,10 @@ Contract (pure: no I/O, no clock):
 - ``keep(xs, ys, max_points)`` returns the sorted indices of the points to draw. A series of
   at most ``max_points`` points is kept whole. Otherwise the first and the last point are
   kept, the points between are split into equal buckets, and each bucket keeps its first,
-  its last, its minimum and its maximum point and the point Largest-Triangle-Three-Buckets
-  picks (Steinarsson 2013), so a spike, a dip and the newest value are always drawn. The
+  its last, its minimum and its maximum point and the point of the largest triangle with its
+  neighbouring buckets (Largest-Triangle-Three-Buckets, Steinarsson 2013, with the previous
+  bucket's mean as a corner so that all buckets are computed at once: see ``_lttb``), so a
+  spike, a dip and the newest value are always drawn. The
   result has at most ``max_points`` indices (fewer when a bucket's picks coincide).
 - ``window(xs, start, end)`` is the index range of the points with ``start <= x <= end``
   plus one neighbour on each side (so a zoomed chart's line reaches its edges); ``xs``
@@ -56,33 +58,41 @@ def window(xs: Sequence[float] | np.ndarray, start: float | None, end: float | N
     return lo, max(lo, hi)
 
 
+def _buckets(edges: np.ndarray) -> np.ndarray:
+    """A (buckets, widest) matrix of point indices, each row one bucket, short rows padded with
+    their bucket's last index (harmless for min, max and triangle areas)."""
+    starts, stops = edges[:-1], edges[1:]
+    width = int((stops - starts).max())
+    idx = starts[:, None] + np.arange(width)[None, :]
+    return np.minimum(idx, (stops - 1)[:, None])
+
+
 def _extremes(y: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Each bucket's argmin and argmax, NaNs ignored (an all-NaN bucket adds nothing)."""
-    out = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        chunk = y[a:b]
-        finite = ~np.isnan(chunk)
-        if not finite.any():
-            continue
-        masked_low = np.where(finite, chunk, np.inf)
-        masked_high = np.where(finite, chunk, -np.inf)
-        out += [a + int(np.argmin(masked_low)), a + int(np.argmax(masked_high))]
-    return np.asarray(out, dtype=np.int64)
+    idx = _buckets(edges)
+    chunk = y[idx]
+    finite = ~np.isnan(chunk)
+    rows = np.arange(idx.shape[0])
+    low = idx[rows, np.argmin(np.where(finite, chunk, np.inf), axis=1)]
+    high = idx[rows, np.argmax(np.where(finite, chunk, -np.inf), axis=1)]
+    keep = finite.any(axis=1)
+    return np.concatenate([low[keep], high[keep]])
 
 
 def _lttb(x: np.ndarray, y: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """One point per bucket: the one making the largest triangle with the previous pick and
-    the next bucket's mean (the last point for the last bucket)."""
+    """One point per bucket: the one making the largest triangle with its neighbours. LTTB takes
+    the previous bucket's pick as the first corner, which makes buckets depend on each other;
+    here it is the previous bucket's mean (the first point for the first bucket), as the next
+    bucket's mean is the third corner (the last point for the last), so that every bucket is
+    computed at once. The bucket's extremes are kept besides, so no spike depends on this pick."""
     y0 = np.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)  # a NaN must not win every triangle
-    out = np.empty(edges.size - 1, dtype=np.int64)
-    prev = 0
-    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
-        if i + 2 < edges.size:
-            nx, ny = x[b:edges[i + 2]].mean(), y0[b:edges[i + 2]].mean()
-        else:
-            nx, ny = x[-1], y0[-1]
-        px, py = x[prev], y0[prev]
-        area = np.abs((px - nx) * (y0[a:b] - py) - (px - x[a:b]) * (ny - py))
-        prev = a + int(np.argmax(area))
-        out[i] = prev
-    return out
+    idx = _buckets(edges)
+    counts = (edges[1:] - edges[:-1]).astype(np.float64)
+    mean_x = np.add.reduceat(x[: edges[-1]], edges[:-1]) / counts
+    mean_y = np.add.reduceat(y0[: edges[-1]], edges[:-1]) / counts
+    px = np.concatenate([[x[0]], mean_x[:-1]])[:, None]
+    py = np.concatenate([[y0[0]], mean_y[:-1]])[:, None]
+    nx = np.concatenate([mean_x[1:], [x[-1]]])[:, None]
+    ny = np.concatenate([mean_y[1:], [y0[-1]]])[:, None]
+    area = np.abs((px - nx) * (y0[idx] - py) - (px - x[idx]) * (ny - py))
+    return idx[np.arange(idx.shape[0]), np.argmax(area, axis=1)]
