@@ -21,6 +21,10 @@ Clients
   GET    /jobs/{id}/events/stream      text/event-stream of the job's events
   GET    /events/stream                text/event-stream of every job's events
   GET    /jobs/{id}/series?keys=&points=&start=&end=  -> downsampled metric series (SeriesPage)
+  GET    /jobs/{id}/checkpoints        -> list[ArtifactInfo] (files of the job's checkpoints)
+  GET    /jobs/{id}/checkpoints/{path} -> raw bytes
+  POST   /jobs/{id}/tensorboard        -> list[str] (writes the job's TensorBoard files among its artifacts)
+  Outside /api/v1: GET / (the dashboard), GET /metrics (Prometheus text format)
   GET    /health                       -> {"ok": true, "version": ...}
 
 Agents
