@@ -78,6 +78,8 @@ class _Job:
     upto: int = 0
     points: int = 0
     lines: dict[tuple[str, int], _Line] = field(default_factory=dict)
+    # pages built since the last new row, by request (a finished job's page is built once)
+    pages: dict[tuple, SeriesPage] = field(default_factory=dict)
 
     def add_rows(self, rows: list[tuple[int, int, int, float, dict]]) -> None:
         # Rows of one rank that report the same keys (the usual case) become one matrix, read by
@@ -102,6 +104,7 @@ class _Job:
                 self.points += line.extend(steps, matrix[:, j])
         if rows:
             self.upto = rows[-1][0]
+            self.pages.clear()
 
 
 class SeriesCache:
@@ -120,7 +123,13 @@ class SeriesCache:
             state = JobState(row.state)
             with self._lock:
                 job = self._refreshed(rows.s, row)
-                return _build(job, state, keys, rank, points, start, end)
+                request = (tuple(keys) if keys is not None else None, rank, points, start, end, state)
+                page = job.pages.get(request)
+                if page is None:
+                    if len(job.pages) >= 16:
+                        job.pages.clear()
+                    page = job.pages[request] = _build(job, state, keys, rank, points, start, end)
+                return page
 
     def _refreshed(self, s, row) -> _Job:  # noqa: ANN001
         job = self._jobs.pop(row.seq, None) or _Job()

@@ -8,9 +8,10 @@ unit of work (``rows.Database``) and changes nothing outside it.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import insert, select
+from sqlalchemy import Text, insert, select, type_coerce
 from sqlalchemy.orm import Session
 
 from torchrelay.server.store import CursorRow, JobRow, LogRow, MetricRow
@@ -74,11 +75,17 @@ def metric_page(s: Session, job: JobRow, after: int, limit: int) -> MetricPage:
 
 
 def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tuple[int, int, int, float, dict[str, Any]]]:
-    """(id, rank, step, time, values) of the job's metric rows after ``after``, in id order (no
-    ORM objects: a series cache reads millions)."""
-    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.time, MetricRow.values)
+    """(id, rank, step, time, values) of the job's metric rows after ``after``, in id order.
+
+    No ORM objects, and the values' JSON texts are parsed in one ``json.loads`` of them all: a
+    series cache reads millions of values, and a decode per row costs several times more."""
+    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.time, type_coerce(MetricRow.values, Text))
          .where(MetricRow.job_seq == job.seq, MetricRow.id > after).order_by(MetricRow.id).limit(limit))
-    return [tuple(r) for r in s.execute(q)]
+    rows = s.execute(q).all()
+    texts = [r[4] for r in rows]
+    if all(isinstance(t, str) for t in texts):  # drivers that hand JSON back decoded (psycopg) skip this
+        texts = json.loads("[" + ",".join(texts) + "]") if texts else []
+    return [(r[0], r[1], r[2], r[3], values) for r, values in zip(rows, texts)]
 
 
 def recent_steps(s: Session, job: JobRow, count: int) -> list[tuple[int, float]]:

@@ -62,7 +62,7 @@ class Chart {
   create(ranks, data) {
     if (this.plot) this.plot.destroy();
     this.shown = ranks;
-    const width = Math.max(320, (this.el.parentElement.clientWidth || 640) / 2 - 24);
+    const width = Math.max(320, (this.parentWidth || 640) / 2 - 24);
     this.plot = new uPlot({
       title: this.key, width, height: 220, scales: { x: { time: false } }, axes: [{}, { size: 64 }],
       series: [{ label: "step" }, ...ranks.map((r, i) => ({ label: ranks.length > 1 ? `rank ${r}` : this.key,
@@ -131,7 +131,8 @@ export class MetricCharts {
     if (this.frame) return;
     this.frame = requestAnimationFrame(() => {
       this.frame = null;
-      for (const c of this.dirty) c.draw();
+      const width = this.parent.clientWidth;  // read once: a read per chart would force a layout each
+      for (const c of this.dirty) { c.parentWidth = width; c.draw(); }
       this.dirty.clear();
       const trace = window.__relayTrace;
       if (trace) { const t = Date.now() / 1000; for (const p of trace.pending) trace.drawn.push([p.step, p.rank, p.time, t]); trace.pending = []; }
