@@ -6,6 +6,7 @@ import { h } from "./util.js";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
 const POINTS = 1000;
+const CHARTS_PER_FRAME = 8;
 const HIDDEN = new Set(["total_steps"]);  // conventional keys that are not curves (the header shows progress)
 
 class Line {
@@ -132,8 +133,12 @@ export class MetricCharts {
     this.frame = requestAnimationFrame(() => {
       this.frame = null;
       const width = this.parent.clientWidth;  // read once: a read per chart would force a layout each
-      for (const c of this.dirty) { c.parentWidth = width; c.draw(); }
-      this.dirty.clear();
+      let drawn = 0;
+      for (const c of this.dirty) {  // a few charts per frame: the first ones show before all are built
+        if (drawn++ >= CHARTS_PER_FRAME) break;
+        c.parentWidth = width; c.draw(); this.dirty.delete(c);
+      }
+      if (this.dirty.size) return this.schedule();
       const trace = window.__relayTrace;
       if (trace) { const t = Date.now() / 1000; for (const p of trace.pending) trace.drawn.push([p.step, p.rank, p.time, t]); trace.pending = []; }
     });
