@@ -119,11 +119,11 @@ function pipelinePlan(plan) {
 // The logs of one rank (or all), streaming; the search box filters what is shown.
 class LogPanel {
   constructor(jobId) {
-    this.jobId = jobId; this.lines = []; this.es = null;
+    this.jobId = jobId; this.lines = []; this.es = null; this.opens = 0;
     this.rank = h("select", { id: "log-rank", onchange: () => this.restart() }, h("option", { value: "" }, "all ranks"));
     this.search = h("input", { id: "log-search", type: "search", placeholder: "search the logs", oninput: () => this.redraw() });
     this.count = h("span", { class: "muted", id: "log-count" });
-    this.box = h("div", { id: "logs", class: "logs" });
+    this.box = h("div", { id: "logs", class: "logs", "data-opens": 0 });
     this.el = h("section", {}, h("div", { class: "filters" }, this.rank, this.search, this.count), this.box);
   }
   start(job) {
@@ -137,7 +137,7 @@ class LogPanel {
     this.lines = []; this.box.replaceChildren();
     const path = `/jobs/${this.jobId}/logs/stream` + (this.rank.value !== "" ? `?rank=${this.rank.value}` : "");
     this.es = stream(path, 0, { onRows: (_k, lines) => this.add(lines), onEnd: () => { this.box.dataset.ended = "1"; },
-      onState: (s) => { this.box.dataset.stream = s; } });
+      onState: (s) => { this.box.dataset.stream = s; if (s === "open") this.box.dataset.opens = ++this.opens; } });
   }
   add(lines) {
     this.lines.push(...lines);
