@@ -162,3 +162,21 @@ def browser_context(tmp_path_factory):
             yield context
         finally:
             context.close()
+
+
+@pytest.fixture(scope="session")
+def ceph():
+    """One private Ceph (mon, memstore OSD, radosgw; tests/services/ceph.py) for the whole test
+    session, shared by every file that touches S3 or CephFS; skips, with the reason, where none
+    can run. A test that stops the gateway starts it again before it ends."""
+    from services.ceph import CephCluster
+
+    reason = CephCluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = CephCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+

@@ -271,7 +271,8 @@ class LaunchAssignment(_Model):
 
     Environment the agent gives the workers (besides torchrun's own RANK etc.):
     RELAY_JOB_ID, RELAY_LAUNCH_ID, RELAY_LAUNCH_DIR (together they identify the launch's
-    processes), RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_JOB_STORE_PREFIX,
+    processes), RELAY_ATTEMPT, RELAY_ADDRESS, RELAY_STORE_URL, RELAY_STORE_OPTIONS (JSON, when the
+    store has public options), RELAY_JOB_STORE_PREFIX,
     RELAY_METRICS_DIR, RELAY_STRATEGY (JSON), RELAY_CHECKPOINT (JSON), RELAY_ACCELERATOR
     (``gpu`` or ``cpu``: what the scheduler granted), RELAY_GPUS_PER_WORKER, RELAY_GPU_TYPE,
     and ``env``.
@@ -293,6 +294,9 @@ class LaunchAssignment(_Model):
     bundle: str | None
     env: dict[str, str] = Field(default_factory=dict)
     store_url: str
+    store_options: dict[str, str] = Field(
+        default_factory=dict, description="where the store is besides its URL (endpoint_url, region, "
+        "addressing_style); never a credential: workers use their own (environment, ~/.aws)")
     job_store_prefix: str
     stop_grace_s: float = Field(default=30.0, description="SIGTERM, then SIGKILL after this long")
     cpu: float = Field(default=0.0, ge=0, description="cpus granted per worker (the launch's cgroup weight)")

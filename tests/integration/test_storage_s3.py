@@ -26,19 +26,6 @@ from services.ceph import CephCluster  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def ceph():
-    """One Ceph for the whole session; skips where none can run."""
-    reason = CephCluster.unavailable()
-    if reason:
-        pytest.skip(reason)
-    cluster = CephCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def s3_options(cluster: CephCluster, **changes) -> dict:
     return {"endpoint_url": cluster.endpoint_url, "region": cluster.region, "access_key_id": cluster.access_key,
             "secret_access_key": cluster.secret_key, **changes}

@@ -5,7 +5,8 @@ after trying to install Debian's ``ceph-mon ceph-osd radosgw`` when they are mis
 only). ``CephCluster()`` builds a cluster in a temp folder of its own and blocks until its S3
 endpoint answers and the bucket exists (3-5 s on 2 cores, 136 MiB resident); ``endpoint_url``,
 ``access_key``, ``secret_key``, ``region`` and ``bucket`` name it and ``env()`` gives them as
-the ``AWS_*`` variables the AWS tools (and so the store) read. ``stop()`` ends every daemon it started (their
+the ``AWS_*`` variables the AWS tools (and so the store) read. ``stop_gateway()`` and
+``start_gateway()`` take the S3 endpoint away and bring it back (same port, same objects). ``stop()`` ends every daemon it started (their
 process groups, never a name) and removes the folder; idempotent.
 
 How it is made fast and sound (Ceph 16.2 on a small host):
@@ -123,6 +124,14 @@ class CephCluster:
             aws_secret_access_key=self.secret_key,
             config=botocore.config.Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
 
+    def add_key(self) -> tuple[str, str]:
+        """A second (access key, secret) of the same S3 user: a credential of another party
+        (e.g. the agents') that reaches the same bucket."""
+        access, secret = "RELAYTEST" + secrets.token_hex(6).upper(), secrets.token_urlsafe(30)
+        self._run("radosgw-admin", "key", "create", "--uid", "relay", "--key-type", "s3",
+                  "--access-key", access, "--secret", secret)
+        return access, secret
+
     def memory_bytes(self) -> int:
         """Resident memory of the daemons, summed (VmRSS)."""
         total = 0
@@ -158,9 +167,20 @@ class CephCluster:
         self._run("radosgw-admin", "user", "create", "--uid", "relay", "--display-name", "relay tests",
                   "--access-key", self.access_key, "--secret", self.secret_key)
         self._run("radosgw-admin", "zonegroup", "modify", "--rgw-zonegroup", "default", "--api-name", self.region)
-        self._spawn("radosgw", "-f", "-n", "client.rgw.gw")
-        self._wait_for_gateway()
+        self.start_gateway()
         self.client().create_bucket(Bucket=self.bucket)
+
+    def start_gateway(self) -> None:
+        """Start radosgw (again, on the same port) and block until it answers."""
+        self._gateway = self._spawn("radosgw", "-f", "-n", "client.rgw.gw")
+        self._wait_for_gateway()
+
+    def stop_gateway(self) -> None:
+        """End radosgw (the S3 endpoint goes away; the cluster and its objects stay). Idempotent."""
+        gateway, self._gateway = getattr(self, "_gateway", None), None
+        if gateway is not None:
+            _end_group(gateway)
+            self._daemons.remove(gateway)
 
     def _config(self, fsid: str) -> str:
         root = self.root
@@ -236,12 +256,13 @@ rgw gc processor period = 10
                                f"{done.stderr.strip()[-800:]}{self._log_tails()}")
         return done.stdout
 
-    def _spawn(self, tool: str, *args: str) -> None:
-        log = open(self.root / "log" / f"{tool}.out", "wb")
+    def _spawn(self, tool: str, *args: str) -> subprocess.Popen:
+        log = open(self.root / "log" / f"{tool}.out", "ab")
         with log:
             proc = subprocess.Popen([tool, "-c", str(self.conf), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._daemons.append(proc)
+        return proc
 
     def _wait_for_gateway(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

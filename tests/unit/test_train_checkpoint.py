@@ -213,9 +213,11 @@ def test_save_then_load_round_trips_every_kind_of_value(checkpoints):
 
 def test_the_manifest_lists_every_file_and_is_written_last_then_latest(checkpoints, monkeypatch):
     order = []
-    real_put = checkpoints.store.put_bytes
+    real_put, real_put_if_absent = checkpoints.store.put_bytes, checkpoints.store.put_if_absent
     monkeypatch.setattr(checkpoints.store, "put_bytes",
                         lambda key, data: (order.append(key.rsplit("/", 1)[-1]), real_put(key, data)))
+    monkeypatch.setattr(checkpoints.store, "put_if_absent",  # the manifest: never over another writer's
+                        lambda key, data: (order.append(key.rsplit("/", 1)[-1]), real_put_if_absent(key, data))[1])
     checkpoints.save(_state(1.0), 1)
     assert order == [METADATA_FILE, MANIFEST, LATEST]
     folder = _path(checkpoints, "step-0000000001")

@@ -11,13 +11,15 @@ Contract:
 - ``build_worker_env``: the environment of every process of a launch, in layers, each winning
   over the one before: the node's own environment; ``assignment.env`` (what the server built:
   the job's ``env`` and ``RELAY_STRATEGY``, ``RELAY_GPUS_PER_WORKER`` and the like); the
-  assignment's identity as ``RELAY_*`` variables; last what only this agent knows (the
+  assignment's identity as ``RELAY_*`` variables (the store's URL and its public options as
+  ``RELAY_STORE_OPTIONS``; the store's credentials are the node's own, from its environment); last what only this agent knows (the
   launch's folders, the address it reaches the server at, the GPU indices it picked).
 - ``build_rank_env``: what torchrun's local agent adds for one worker, for a direct launch.
 Every builder raises ``ValueError`` on a value it cannot use, naming it.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -83,6 +85,10 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
         "RELAY_STORE_URL": assignment.store_url,
         "RELAY_JOB_STORE_PREFIX": assignment.job_store_prefix,
     })
+    if assignment.store_options:  # credentials are never among them: the node's own environment has those
+        env["RELAY_STORE_OPTIONS"] = json.dumps(assignment.store_options, sort_keys=True)
+    else:
+        env.pop("RELAY_STORE_OPTIONS", None)
     env.update({  # what only this agent knows
         "RELAY_ADDRESS": relay_address,
         "RELAY_METRICS_DIR": str(run_dir / "metrics"),

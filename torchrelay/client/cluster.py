@@ -77,13 +77,17 @@ class AgentOptions:
 def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
                   heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0,
                   agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None,
-                  listen: ListenPlan = ListenPlan(), server_args: Sequence[str] = ()) -> Cluster:
+                  listen: ListenPlan = ListenPlan(), server_args: Sequence[str] = (),
+                  server_config: Path | None = None, server_env: dict[str, str] | None = None,
+                  agent_env: dict[str, str] | None = None) -> Cluster:
     """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable,
     and ``Conflict`` when the server cannot listen where ``listen`` says.
 
     ``agent_options[i]`` (if given) sets what agent i offers; it overrides ``agent_cpus``.
-    ``quotas_file`` is passed to the server as ``--quotas``; ``server_args`` are more options of
-    ``relay server`` (e.g. ``--slurm-partition``)."""
+    ``quotas_file`` is passed to the server as ``--quotas``, ``server_config`` as ``--config`` (the
+    store's URL and options); ``server_args`` are more options of ``relay server`` (e.g.
+    ``--slurm-partition``). ``server_env`` and ``agent_env`` are added to the environment of the
+    server and of every agent (e.g. credentials only the agents' workers should hold)."""
     if agent_options is not None and len(agent_options) != agents:
         raise ValueError(f"agent_options has {len(agent_options)} entries for {agents} agents; give one per agent")
     home = (home or relay_home()).resolve()
@@ -100,7 +104,9 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
                    "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if quotas_file is not None:
         server_argv += ["--quotas", str(Path(quotas_file).resolve())]
-    server = _spawn([*server_argv, *server_args], home, "server")
+    if server_config is not None:
+        server_argv += ["--config", str(Path(server_config).resolve())]
+    server = _spawn([*server_argv, *server_args], home, "server", server_env)
     pids = [server.pid]
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:
@@ -112,7 +118,7 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
                 argv += agent_options[i].argv()
             elif agent_cpus is not None:
                 argv += ["--cpus", str(agent_cpus)]
-            pids.append(_spawn(argv, home, f"agent-{i}").pid)
+            pids.append(_spawn(argv, home, f"agent-{i}", agent_env).pid)
             write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
                                             "started_at": time.time()})
         with RelayClient(address) as client:

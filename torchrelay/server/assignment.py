@@ -132,15 +132,16 @@ class AssignedLaunch(Protocol):
 
 def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], env: dict[str, str],
                       spec_stop_grace_s: float, master: tuple[str | None, int | None],
-                      store_url: str) -> LaunchAssignment:
+                      store_url: str, store_options: Mapping[str, str] | None = None) -> LaunchAssignment:
     """``launch`` as its agent is told of it. ``master``: the address of the attempt's node 0
     and the port it reported (None until then); ``stop_grace_s`` is the launch's own when a stop
-    set one (``relay cancel --no-checkpoint``: 0), else the spec's."""
+    set one (``relay cancel --no-checkpoint``: 0), else the spec's. ``store_options``: the store's
+    public options (``ArtifactStore.public_options``: never a credential)."""
     return LaunchAssignment(
         launch_id=launch.id, job_id=job_id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
         stop_reason=launch.stop_reason,
         stop_grace_s=spec_stop_grace_s if launch.stop_grace_s is None else launch.stop_grace_s,
         node_rank=launch.node_rank, nnodes=launch.nnodes, nproc_per_node=launch.nproc,
         world_size=launch.world_size, rank_offset=launch.rank_offset, master_addr=master[0], master_port=master[1],
-        entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url,
+        entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url, store_options=dict(store_options or {}),
         job_store_prefix=ArtifactStore.job_prefix(job_id), cpu=launch.cpu, memory=launch.memory)

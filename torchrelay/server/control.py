@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from torchrelay import scheduler as policy
-from torchrelay.errors import StorageError
+from torchrelay.errors import StaleAttempt, StorageError
 from torchrelay.server import lifecycle, scheduling, watchdogs
 from torchrelay.server.assignment import plan_launches
 from torchrelay.server.executors import agents_only, is_agents_job
@@ -262,8 +262,10 @@ class Control:
         """Write the job's new attempt where checkpoint commits look (see torchrelay.train.checkpoint):
         workers of an older attempt still running on a node that lost contact can no longer
         commit or prune. Only restarts need it (attempt 1 has nothing older to fence off)."""
-        try:
-            self.store.put_bytes(ArtifactStore.attempt_key(row.id), str(row.attempt).encode())
+        try:  # a compare-and-swap where the store has one (docs/checkpoints.md): never moves back
+            self.store.advance_fence(row.id, row.attempt)
+        except StaleAttempt as exc:  # another server placed a newer attempt: say so, the rows decide
+            _log.warning("job %s: %s", row.id, exc)
         except (StorageError, OSError) as exc:
             _log.warning("job %s: could not write the checkpoint fence for attempt %d: %s", row.id, row.attempt, exc)
 

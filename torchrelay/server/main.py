@@ -19,9 +19,13 @@ import uvicorn
 from torchrelay.errors import InvalidSpec
 from torchrelay.home import relay_home, server_file, write_json
 from torchrelay.server.app import create_app
+from torchrelay.server.config import load_server_config
 from torchrelay.server.executors import Executor
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.service import ClusterService
+from torchrelay.storage import ArtifactStore, Guarantee
+
+_log = logging.getLogger("torchrelay.server")
 
 
 def default_db_url(home: Path) -> str:
@@ -51,13 +55,31 @@ def slurm_executor(*, partition: str, job_root: Path | None, store_url: str | No
     return SlurmExecutor(config)
 
 
+def open_checked_store(url: str, options: dict) -> ArtifactStore:
+    """The artifact store, proven usable now (a scratch write) rather than at a job's first checkpoint.
+    Raises StorageError."""
+    store = ArtifactStore(url, options)
+    store.check()
+    found = store.capabilities()
+    if Guarantee.CHECK_THEN_WRITE in (found.put_if_absent, found.compare_and_swap):
+        _log.warning("artifact store %s has no atomic conditional write (%s): the attempt fence is a check "
+                     "followed by a write (docs/checkpoints.md)", store.url, found.as_dict())
+    return store
+
+
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
-          quotas_file: Path | None = None, executors: Sequence[Executor] = ()) -> None:
-    """Serve until interrupted. Raises OSError naming the address when it cannot bind, and
-    InvalidSpec naming the file and entry when ``quotas_file`` is malformed (before binding)."""
+          quotas_file: Path | None = None, executors: Sequence[Executor] = (),
+          config_file: Path | None = None) -> None:
+    """Serve until interrupted. Raises, before binding: InvalidSpec naming the file and entry when
+    ``quotas_file`` or ``config_file`` is malformed; StorageError with the store's own reason when
+    the artifact store cannot be opened, reached or written (a missing package, wrong credentials,
+    a missing bucket). Raises OSError naming the address when it cannot bind."""
     quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
+    config = load_server_config(config_file) if config_file else None
     home = home or relay_home()
+    store = open_checked_store(store_url or (config and config.store_url) or str(home / "store"),
+                               config.store_options if config else {})
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -68,7 +90,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     bound_port = sock.getsockname()[1]
     shown_host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
-    service = ClusterService(db_url or default_db_url(home), store_url or str(home / "store"),
+    service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
     app = create_app(service)
     write_json(server_file(home), {"address": address, "pid": os.getpid()})

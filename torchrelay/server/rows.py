@@ -509,9 +509,10 @@ def node_facts(conn: Any) -> NodeFacts:
     return NodeFacts(views=tuple(views), names=names, gpu_types=gpu_types)
 
 
-def node_assignments(conn: Any, cache: Cache, node: Any, live: Sequence[Any], store_url: str) -> list[LaunchAssignment]:
+def node_assignments(conn: Any, cache: Cache, node: Any, live: Sequence[Any], store: Any) -> list[LaunchAssignment]:
     """What the agent of ``node`` (its row from ``node_for_reply``, with ``id``) is told of each
-    of its ``live`` launches (rows of ``live_on_node``): a heartbeat reply lists every one."""
+    of its ``live`` launches (rows of ``live_on_node``): a heartbeat reply lists every one.
+    ``store``: the ``ArtifactStore`` (its URL and public options, never its credentials)."""
     if not live:
         return []
     heads = masters(conn, node.id, node.address, live)
@@ -521,7 +522,8 @@ def node_assignments(conn: Any, cache: Cache, node: Any, live: Sequence[Any], st
         out.append(launch_assignment(
             launch, job_id=job_id_of(launch.job_seq), argv=facts.argv(),
             env=facts.worker_env(launch.gpu, node.gpu_type), spec_stop_grace_s=facts.spec.stop_grace_s,
-            master=heads.get((launch.job_seq, launch.attempt), (None, None)), store_url=store_url))
+            master=heads.get((launch.job_seq, launch.attempt), (None, None)), store_url=store.url,
+            store_options=store.public_options))
     return out
 
 

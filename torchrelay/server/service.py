@@ -48,11 +48,11 @@ _log = logging.getLogger("torchrelay.server")
 class ClusterService:
     """Owns the store; see the module docstring for the contract."""
 
-    def __init__(self, db_url: str, store_url: str, *, heartbeat_timeout_s: float = 10.0,
+    def __init__(self, db_url: str, store_url: str | ArtifactStore, *, heartbeat_timeout_s: float = 10.0,
                  tick_s: float = 0.5, clock: Callable[[], float] = time.time, quotas: QuotaTable | None = None,
                  executors: Iterable[Executor] = ()):
         self.notifier = Notifier()
-        self.store = ArtifactStore(store_url)
+        self.store = store_url if isinstance(store_url, ArtifactStore) else ArtifactStore(store_url)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.tick_s = tick_s
         self.clock = clock
@@ -285,7 +285,7 @@ class ClusterService:
                 if forgotten:
                     rows.flush()
                     live = live_on_node(rows.conn, node_id)
-                launches = node_assignments(rows.conn, self.db.cache, node, live, self.store.url)
+                launches = node_assignments(rows.conn, self.db.cache, node, live, self.store)
             # read once this unit's own changes are notified, and before any later change (the
             # lock is held): a change after this reply bumps past it and wakes the next long-poll
             version = self.notifier.version(f"node:{node_id}")
@@ -306,7 +306,7 @@ class ClusterService:
         version = self.notifier.version(f"node:{node_id}")
         with self.db.engine.connect() as conn:
             node = node_for_reply(conn, node_id)
-            launches = node_assignments(conn, self.db.cache, node, live_on_node(conn, node_id), self.store.url)
+            launches = node_assignments(conn, self.db.cache, node, live_on_node(conn, node_id), self.store)
         return HeartbeatReply(version=version, node_state=node.state, launches=launches)  # type: ignore[arg-type]
 
     def list_nodes(self) -> list[NodeInfo]:

@@ -38,6 +38,9 @@ class Backend:
 
     def __init__(self, fs: Any):
         self.fs = fs
+        # what this file system raises when the store fails: fsspec's OSErrors, and for a client
+        # library that lets its own transport errors through (botocore), those too
+        self.failures: tuple[type[BaseException], ...] = (OSError,)
 
     def capabilities(self) -> Capabilities:
         """What the conditional writes guarantee here. May probe the store (once)."""

@@ -5,6 +5,9 @@ Pure: no I/O (the environment and "is this module installed" are arguments).
   implementation is not there (``s3`` -> ``s3fs``, ``hdfs`` -> ``pyarrow`` or ``hdfs-native``).
 - ``refuse_credentials_in_url(url)``: a URL carries no password (the URL travels to every
   worker, in its environment; secrets go in the environment, ``~/.aws`` or the store options).
+- ``public_options(options)``: the options a worker may be told (where the store is, never who
+  the server is to it): ``endpoint_url``, ``region``, ``addressing_style``. Workers bring their
+  own credentials (their environment or ``~/.aws``).
 - ``s3fs_kwargs(options, env)``: the keyword arguments of ``s3fs.S3FileSystem``. Anything not
   given is left to botocore, which reads ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
   ``AWS_SESSION_TOKEN``/``AWS_PROFILE``/``AWS_ENDPOINT_URL``, ``~/.aws/config`` and
@@ -41,6 +44,9 @@ _S3_TOP_LEVEL = {"endpoint_url": "endpoint_url", "access_key_id": "key", "secret
                  "session_token": "token", "profile": "profile"}
 SECRET_OPTIONS = ("secret_access_key", "session_token", "secret", "token")
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# named, not "all but the secrets": an option passed through to S3FileSystem (client_kwargs…)
+# may hold a credential under a name of botocore's
+PUBLIC_OPTIONS = ("endpoint_url", "region", "addressing_style")
 # botocore waits 60 s to connect and retries: a store that is not there should say so sooner
 _DEFAULT_CONNECT_TIMEOUT_S = 10
 
@@ -65,6 +71,11 @@ def refuse_credentials_in_url(url: str) -> None:
         scheme = url.split("://", 1)[0]
         raise StorageError(f"the {scheme}:// store URL holds a credential; give it in the environment, "
                            "~/.aws/credentials or the store options instead (the URL is passed to every worker)")
+
+
+def public_options(options: Mapping[str, Any]) -> dict[str, str]:
+    """The store options a worker is given (see the module docstring), as strings."""
+    return {name: str(options[name]) for name in PUBLIC_OPTIONS if options.get(name) not in (None, "")}
 
 
 def s3fs_kwargs(options: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

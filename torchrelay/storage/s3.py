@@ -33,11 +33,25 @@ PROBE_FOLDER = ".relay-probe"
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
 
 
+def _client_failures() -> tuple[type[BaseException], ...]:
+    """The errors s3fs lets through untranslated: botocore's own (no endpoint, connection refused,
+    timeouts, no credentials found) and aiohttp's."""
+    found: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import BotoCoreError
+        found.append(BotoCoreError)
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError
+        found.append(ClientError)
+    return tuple(found)
+
+
 class S3Backend(Backend):
     """One bucket (and prefix) of an S3 store; ``root`` is ``bucket[/prefix]`` (see the module docstring)."""
 
     def __init__(self, fs: Any, root: str):
         super().__init__(fs)
+        self.failures = (OSError, *_client_failures())
         self.root = root
         self._capabilities: Capabilities | None = None
         self._probe_lock = threading.Lock()

@@ -29,6 +29,7 @@ from torchrelay.storage.backend import temp_name
 from torchrelay.storage.conditional import Capabilities, FenceStep, fence_step, parse_attempt
 from torchrelay.storage.connect import open_store
 from torchrelay.storage.failures import client_error_of, describe_os_error, redact
+from torchrelay.storage.options import public_options
 
 CHECK_KEY = ".relay-check"
 # a compare-and-swap loses only to another writer of the same key: a few rounds always settle it
@@ -49,6 +50,11 @@ class ArtifactStore:
         opened = open_store(self.url, options or {}, os.environ)
         self.fs, self.root, self.protocol = opened.fs, opened.root, opened.protocol
         self._local, self._backend, self._secrets = opened.local, opened.backend, opened.secrets
+        # what ``fs`` raises when the store fails (OSError, and a client library's own transport
+        # errors): for callers that read through ``fs`` themselves
+        self.failures: tuple[type[BaseException], ...] = opened.backend.failures
+        # what a worker is told besides the URL (never a credential: workers bring their own)
+        self.public_options: dict[str, str] = public_options(options or {})
         if self._local:
             os.makedirs(self.root, exist_ok=True)
 
@@ -191,7 +197,7 @@ class ArtifactStore:
             if not (whole_store or _bucket_missing(exc)):
                 raise NotFound(f"no artifact at {self.url_of(key)}") from None
             raise self._error(action, key, exc, whole_store) from exc
-        except OSError as exc:
+        except self._backend.failures as exc:
             raise self._error(action, key, exc, whole_store) from exc
 
     def _error(self, action: str, key: str, exc: BaseException, whole_store: bool) -> StorageError:

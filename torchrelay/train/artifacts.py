@@ -2,7 +2,9 @@
 
 Contract:
 - ``job_store()`` is the store and job id this process writes to. As a torchrelay job:
-  ``RELAY_STORE_URL`` (any fsspec URL) and ``RELAY_JOB_ID``. Otherwise (plain ``python`` or
+  ``RELAY_STORE_URL`` (any fsspec URL), ``RELAY_STORE_OPTIONS`` (JSON: where the store is,
+  e.g. an S3 endpoint and region, as the server was configured; no credentials: those are this
+  node's own, from the environment or ``~/.aws``) and ``RELAY_JOB_ID``. Otherwise (plain ``python`` or
   ``torchrun``): a local folder, ``$RELAY_OUTPUT_DIR`` or ``./relay-outputs``, with job id
   ``local``. Every path is built by ``torchrelay.storage.ArtifactStore``.
 - ``save_artifact(path, obj)`` writes ``obj`` at ``jobs/<job>/artifacts/<path>`` atomically and
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 import io
+import json
 import os
 import threading
 from typing import Any
@@ -44,13 +47,29 @@ def store_location(env: dict[str, str] | os._Environ) -> tuple[str, str]:
     return url, job_id
 
 
+def store_options(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The store options ``RELAY_STORE_OPTIONS`` holds (none when unset). Pure. Raises ``InvalidSpec``."""
+    text = env.get("RELAY_STORE_OPTIONS")
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise InvalidSpec(f"RELAY_STORE_OPTIONS={text!r:.200} is not a JSON object of store options")
+    return options
+
+
 def job_store() -> tuple[ArtifactStore, str]:
-    """The (store, job id) of this process; the store is made once per URL."""
+    """The (store, job id) of this process; the store is made once per URL and options."""
     url, job_id = store_location(os.environ)
+    options = store_options(os.environ)
+    key = url + "\0" + json.dumps(options, sort_keys=True)
     with _stores_lock:
-        store = _stores.get(url)
+        store = _stores.get(key)
         if store is None:
-            store = _stores[url] = ArtifactStore(url)
+            store = _stores[key] = ArtifactStore(url, options)
     return store, job_id
 
 

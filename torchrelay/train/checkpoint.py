@@ -30,12 +30,14 @@ Contract:
   job with another world size (``InvalidSpec``). See checkpoint_replicas. Under the
   ``parameter_server`` strategy server ranks never join, so worker rank 0 writes alone.
 - Fencing: a store made with ``attempt=N`` reads ``ArtifactStore.attempt_key(job)`` (the
-  server writes the job's current attempt there when it places one) before it clears a step's
-  folder and again just before it commits; when that names a newer attempt it raises
-  ``StaleAttempt`` and changes nothing, so the workers of a replaced attempt (orphans on a node
-  that lost contact) cannot overwrite, commit or prune the new attempt's checkpoints. The check
-  and the commit are two store operations, so this narrows the window to one manifest write
-  rather than closing it (an atomic fence needs a conditional put, which fsspec does not offer).
+  server advances it to the job's current attempt, by compare-and-swap where the store has one,
+  when it places one) before it clears a step's folder and again just before it commits; when
+  that names a newer attempt it raises ``StaleAttempt`` and changes nothing, so the workers of a
+  replaced attempt (orphans on a node that lost contact) cannot overwrite, commit or prune the
+  new attempt's checkpoints. The manifest is written with ``put_if_absent`` (``If-None-Match: *``
+  on S3, ``link(2)`` on a folder), so a commit never replaces another writer's manifest. The
+  fence check and the manifest write are still two store operations: docs/checkpoints.md says
+  what that leaves, store by store.
 - Async (``async_=True`` or the policy's ``async``): the call returns once a background thread
   has started copying the state; writing and committing happen behind training. At most one
   save is in flight: the next save (or ``wait_for_checkpoint()``) waits for it and raises its
@@ -65,7 +67,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from torchrelay.errors import CheckpointCorrupt, NotFound, StaleAttempt, StorageError
 from torchrelay.spec import CheckpointPolicy
-from torchrelay.storage import ArtifactStore, validate_relative_path
+from torchrelay.storage import ArtifactStore, describe_os_error, validate_relative_path
 from torchrelay.train.artifacts import job_store
 from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
 from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
@@ -272,7 +274,10 @@ class CheckpointStore:
 
         def commit(entries: dict[str, dict[str, Any]]) -> None:
             self.check_fence(step)
-            self.store.put_bytes(self.key(name, MANIFEST), build_manifest(step, entries, self.clock()))
+            # never over another writer's manifest: start() removed ours, so one here is theirs
+            if not self.store.put_if_absent(self.key(name, MANIFEST), build_manifest(step, entries, self.clock())):
+                raise StaleAttempt(f"checkpoint of step {step} of {self.job_id} was not committed: another "
+                                   f"writer committed {self.url(name)} first")
             self.store.put_bytes(self.key(LATEST), name.encode())
             self._prune(step)
 
@@ -348,8 +353,8 @@ class CheckpointStore:
                     size += got
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.url(name)}/{file_name}: {exc}") from exc
+        except self.store.failures as exc:
+            raise StorageError(f"cannot read {self.url(name)}/{file_name}: {describe_os_error(exc)}") from exc
         return hasher.hexdigest(), size
 
     def verify(self, name: str, group: Any = None) -> str | None:

@@ -236,7 +236,7 @@ class StoreWriter(StorageWriter):
         prefix: str = plan.storage_data
         try:
             self.store.fs.makedirs(self._path(""), exist_ok=True)
-        except OSError as exc:
+        except self.store.failures as exc:
             raise StorageError(f"cannot create {self.store.url_of(self.folder)}: {_describe(exc)}") from exc
         groups = split_into_files(plan.items, self.threads)
         jobs = [(f"{prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(groups)]
@@ -259,7 +259,10 @@ class StoreWriter(StorageWriter):
         offset = 0
         try:
             local = self.store._local
-            with (open(path, "wb", buffering=0) if local else self.store.fs.open(path, "wb")) as fh:
+            # elsewhere through the store's whole-file writer: an S3 upload that raises is aborted,
+            # never completed with what was written so far (fsspec's own file would complete it)
+            key = posixpath.join(self.folder, name)
+            with (open(path, "wb", buffering=0) if local else self.store.open_write(key)) as fh:
                 for item in items:
                     data = planner.resolve_data(item)
                     if item.type == WriteItemType.BYTE_IO:
@@ -358,7 +361,7 @@ class StoreReader(StorageReader):
                         self._load_item(fh, name, length, item, planner)
             except FileNotFoundError:
                 raise CheckpointCorrupt(f"checkpoint file {name!r} is missing") from None
-            except OSError as exc:
+            except self.store.failures as exc:
                 raise StorageError(f"cannot read {self.store.url_of(posixpath.join(self.folder, name))}: "
                                    f"{_describe(exc)}") from exc
         future: Future[None] = Future()

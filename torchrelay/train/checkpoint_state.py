@@ -25,7 +25,8 @@ Contract:
 - Under ``balance: throughput`` the shares of the global batch are part of the state: a
   resumed job trains the rest of its epoch with the split it had (``position`` steps of the
   global batch are behind it, whatever the split was, so no sample is seen twice or missed).
-- ``restore()`` and ``save()`` are collective: call them on every rank.
+- ``restore()`` and ``save()`` are collective: call them on every rank. A save the store fails is
+  reported and training goes on (``save``'s docstring).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ from typing import Any, Iterator
 
 import torch
 
-from torchrelay.train.checkpoint import load_checkpoint, save_checkpoint
+from torchrelay.errors import StorageError
+from torchrelay.train.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
+from torchrelay.train.report import report
 from torchrelay.train.session import current_session
 
 log = logging.getLogger("torchrelay.train.checkpoint")
@@ -100,6 +103,7 @@ class TrainState:
         self._epoch_rng: torch.Tensor | None = None  # torch RNG just before this epoch's iterator
         self._resume_rng: dict[str, Any] | None = None  # RNGs to put back once the loader caught up
         self._resume_epoch_rng: torch.Tensor | None = None
+        self.save_failures = 0  # saves the store failed (``save``); not part of a checkpoint
 
     # ------------------------------------------------------------ state
 
@@ -145,11 +149,36 @@ class TrainState:
         else:
             self._resume_rng = rng if rng is not None else {}
 
-    def save(self, async_: bool | None = None) -> str:
+    def save(self, async_: bool | None = None, *, on_error: str = "report") -> str | None:
         """``save_checkpoint`` of this state at ``self.step``; its URL. Collective. With async the
-        model's forward and the optimizer's step wait for the background copy by themselves."""
+        model's forward and the optimizer's step wait for the background copy by themselves.
+
+        A save the store fails (``StorageError``: unreachable, full, refused; an async save's
+        failure surfaces here, at the next save) is, with ``on_error="report"``, logged with the
+        URL and the cause and reported as the metrics ``checkpoint_failures`` (so far) and
+        ``checkpoint_failed_step`` (``relay status`` shows them); training goes on to its next
+        checkpoint and this returns None. Every rank sees the same failure, so all go on alike.
+        ``on_error="raise"`` raises it. ``StaleAttempt`` is always raised."""
+        if on_error not in ("report", "raise"):
+            raise ValueError(f"on_error={on_error!r} must be 'report' or 'raise'")
         guard = [self.model] + ([self.optimizer] if self.optimizer is not None else [])
-        return save_checkpoint(self.state_dict(), self.step, async_=async_, guard=guard)
+        try:
+            in_flight = current_session().checkpoint.in_flight
+            try:
+                wait_for_checkpoint()  # the previous async save: its failure is reported as its own step's
+            except StorageError as exc:
+                self._save_failed(in_flight.step if in_flight is not None else self.step, exc, on_error)
+            return save_checkpoint(self.state_dict(), self.step, async_=async_, guard=guard)
+        except StorageError as exc:
+            self._save_failed(self.step, exc, on_error)
+            return None
+
+    def _save_failed(self, step: int, exc: StorageError, on_error: str) -> None:
+        if on_error == "raise":
+            raise exc
+        self.save_failures += 1
+        log.error("checkpoint of step %d failed, training goes on to the next one: %s", step, exc)
+        report(self.step, checkpoint_failures=self.save_failures, checkpoint_failed_step=step)
 
     def restore(self) -> bool:
         """Load the newest checkpoint that verifies; False (nothing changed) when there is none. Collective."""

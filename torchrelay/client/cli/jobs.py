@@ -78,6 +78,11 @@ def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> Non
         console.print(f"  last metrics: {shown}", highlight=False)
         for line in rank_lines(j.last_metrics.get("ranks") or {}):
             console.print(f"    {line}", highlight=False)
+        failed_saves = j.last_metrics.get("checkpoint_failures")
+        if failed_saves:  # reported by TrainState.save when the store failed a checkpoint
+            console.print(f"  [yellow]checkpoints: {int(failed_saves)} save(s) failed, the last at step "
+                          f"{int(j.last_metrics.get('checkpoint_failed_step', -1))}; training went on "
+                          f"(the store's reason: relay logs {j.id})[/]", highlight=False)
     for i, r in enumerate(j.restart_reasons, 1):
         console.print(f"  restart {i}: {r.reason}" + (f" on {r.node}" if r.node else ""), highlight=False)
     if j.failure and j.state.value in ("FAILED", "RESTARTING"):

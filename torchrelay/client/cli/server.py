@@ -12,7 +12,10 @@ from torchrelay.client.cli.common import handle_errors
 def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for other hosts)"),
            port: int = typer.Option(8470, help="port; 0 lets the OS choose (see RELAY_HOME/server.json)"),
            db: str = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in RELAY_HOME)"),
-           store: str = typer.Option(None, "--store", help="artifact store URL (default: RELAY_HOME/store)"),
+           store: str = typer.Option(None, "--store", help="artifact store URL, e.g. s3://bucket/prefix "
+                                     "(default: the config file's, else RELAY_HOME/store)"),
+           config: Path = typer.Option(None, "--config", help="YAML server config: the store's URL and options "
+                                       "(endpoint, region, credentials), see docs/storage.md"),
            heartbeat_timeout: float = typer.Option(10.0, help="seconds without heartbeat before a node is LOST"),
            quotas: Path = typer.Option(None, "--quotas", help="YAML file of per-user quotas: "
                                        "{USER | default: {cpus: N, gpus: N, jobs: N}}; a job over its user's "
@@ -39,4 +42,4 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                         python=slurm_python, poll_interval_s=slurm_poll, jobcomp=slurm_jobcomp,
                                         accounting=slurm_accounting))
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
-          log_level=log_level, quotas_file=quotas, executors=executors)
+          log_level=log_level, quotas_file=quotas, executors=executors, config_file=config)

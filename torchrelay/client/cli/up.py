@@ -22,6 +22,8 @@ def up(agents: int = typer.Option(1, "--agents", "-n", min=1, help="agents (node
        cpus: float = typer.Option(None, "--cpus", help="cpus each agent offers (default: this machine's)"),
        heartbeat_timeout: float = typer.Option(10.0, help="seconds without heartbeat before a node is LOST"),
        quotas: Path = typer.Option(None, "--quotas", help="per-user quotas (YAML), see docs/scheduling.md"),
+       config: Path = typer.Option(None, "--config", help="the server's config file (YAML): the artifact store's "
+                                   "URL and options, see docs/storage.md"),
        port: int = typer.Option(None, "--port", min=0, max=65535,
                                 help="the server's port on 127.0.0.1 (default: RELAY_ADDRESS's when set, "
                                      "else one the OS picks)"),
@@ -36,7 +38,8 @@ def up(agents: int = typer.Option(1, "--agents", "-n", min=1, help="agents (node
     relay_address = os.environ.get("RELAY_ADDRESS")
     plan = listen_plan(relay_address, port)
     cluster = start_cluster(agents, agent_cpus=cpus, heartbeat_timeout_s=heartbeat_timeout, quotas_file=quotas,
-                            listen=plan, server_args=["--slurm-partition", slurm_partition] if slurm_partition else [])
+                            listen=plan, server_args=["--slurm-partition", slurm_partition] if slurm_partition else [],
+                            server_config=config)
     console.print(f"cluster up: server {cluster.address}, {agents} agent(s); home {cluster.home}")
     if relay_address:
         console.print(f"  RELAY_ADDRESS={relay_address} names it")
