@@ -134,6 +134,19 @@ def test_job_env_cannot_override_relay_variables(tmp_path):
     assert env["RELAY_JOB_ID"] == "J1"
 
 
+@pytest.mark.parametrize("store_options, base, expected", [
+    ({}, {}, None),
+    ({}, {"RELAY_STORE_OPTIONS": '{"region": "stale"}'}, None),        # only what the server says now
+    ({"endpoint_url": "http://rgw:1", "region": "r"}, {"AWS_SECRET_ACCESS_KEY": "node's own"},
+     {"endpoint_url": "http://rgw:1", "region": "r"}),
+])
+def test_store_options_from_the_server_credentials_from_the_node(tmp_path, store_options, base, expected):
+    env = build_worker_env(assignment(store_options=store_options), base_env=base, run_dir=tmp_path,
+                           relay_address="")
+    assert (json.loads(env["RELAY_STORE_OPTIONS"]) if "RELAY_STORE_OPTIONS" in env else None) == expected
+    assert env.get("AWS_SECRET_ACCESS_KEY") == base.get("AWS_SECRET_ACCESS_KEY")
+
+
 @pytest.mark.parametrize("base, job_env, granted, expected", [
     ({}, {}, None, None),                                               # a node without gpus: untouched
     ({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, None, "0,1"),

@@ -4,6 +4,7 @@ The two-rank version (real torchrun, gloo, DDP) is tests/integration/test_checkp
 """
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import torchrelay.train as rt
+from torchrelay.errors import StorageError
 from torchrelay.train.checkpoint_state import capture_rng, restore_rng
 
 pytestmark = [pytest.mark.timeout(60),
@@ -110,3 +112,26 @@ def test_batches_needs_the_loader():
     state = rt.TrainState(torch.nn.Linear(2, 1))
     with pytest.raises(ValueError, match="needs the loader"):
         next(state.batches())
+
+
+def test_a_save_the_store_fails_is_reported_and_training_goes_on(tmp_path, monkeypatch):
+    """A real failure (the checkpoints folder is a file, so nothing can be written below it):
+    ``save`` returns None, counts and reports it; the next save, once the store is sound, commits."""
+    monkeypatch.setenv("RELAY_METRICS_DIR", str(tmp_path / "metrics"))
+    rt.init()
+    model = torch.nn.Linear(2, 1)
+    state = rt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    blocker = tmp_path / "out" / "jobs" / "local" / "checkpoints"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a folder")
+    state.step = 3
+    assert state.save(async_=False) is None
+    assert state.save_failures == 1
+    with pytest.raises(StorageError, match="step 3"):
+        state.save(async_=False, on_error="raise")
+    blocker.unlink()
+    state.step = 4
+    assert state.save(async_=False).endswith("/step-0000000004")
+    rt.flush_metrics()
+    (line,) = (tmp_path / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    assert json.loads(line)["values"] == {"checkpoint_failures": 1, "checkpoint_failed_step": 3}
