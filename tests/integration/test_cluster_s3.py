@@ -2,8 +2,9 @@
 
 The server is configured by a config file (the store's URL, endpoint, region and *its*
 credentials); the agents hold a second key of their own in their environment, which their
-workers use. Checked end to end: the bundle stored and fetched through S3, DCP checkpoints
-written by both ranks (async), a worker killed and the job restarted from its S3 checkpoint,
+workers use. Checked end to end: the bundle stored and fetched through S3, training data
+streamed from the bucket, DCP checkpoints written by both ranks (async), a worker killed
+mid-epoch and the job restarted from its S3 checkpoint with every sample trained once per epoch,
 ``relay download``, the newest checkpoint damaged and the previous one loaded instead, the
 server's secret in no worker's environment, job log or server log; a server that cannot use
 its store refuses to start, naming why; and the store going away mid-job: the save fails
@@ -26,6 +27,7 @@ import yaml
 import chaos
 from conftest import kill_group
 from torchrelay.client.sdk import RelayClient
+from torchrelay.shards import pack
 from torchrelay.spec import JobSpec, JobState
 from torchrelay.storage import ArtifactStore
 from torchrelay.train.checkpoint import CheckpointStore, decode_files
@@ -65,15 +67,25 @@ def describe(c: RelayClient, job_id: str) -> str:
     return f"{info.id} {info.state.value} failure={info.failure}\n{lines}"
 
 
-def test_a_job_on_s3_checkpoints_restarts_downloads_and_keeps_secrets(s3_setup, cluster_factory, tmp_path):
+def test_a_job_on_s3_streams_checkpoints_restarts_downloads_and_keeps_secrets(s3_setup, cluster_factory, tmp_path):
+    """A 2-rank DDP job streams its data from the bucket and checkpoints there (async); rank 1 is
+    killed mid-epoch; the restarted attempt resumes from the S3 checkpoint with the stream's
+    position: over the run every sample is trained on exactly once per epoch (counted)."""
     url, config, agent_env, store = s3_setup
+    samples = 240
+    pack({"x": torch.randn(samples, 8), "id": torch.arange(samples)}, f"{url}/data/ids", shard_size=24 * 40,
+         storage_options=store_options_of(config))
+    records = tmp_path / "records"
+    records.mkdir()
     cluster = cluster_factory(1, server_config=config, agent_env=agent_env)
-    spec = JobSpec.parse({"name": "s3", "entrypoint": "python trainer.py --sleep 0.1", "workers": 2,
-                          "resources": {"cpu": 1}, "checkpoint": {"every_steps": 5, "keep": 2, "async": True},
-                          "max_restarts": 2})
+    spec = JobSpec.parse({"name": "s3", "entrypoint": f"python stream_trainer.py {url}/data/ids {records}",
+                          "workers": 2, "resources": {"cpu": 1}, "max_restarts": 2,
+                          "checkpoint": {"every_steps": 5, "keep": 2, "async": True}})
     with RelayClient(cluster.address) as c:
-        job = c.submit(spec, base_dir=JOBS / "ft")
-        chaos.wait_until(lambda: any(p.step >= 12 for p in c.iter_metrics(job.id)), 120, "step 12")
+        job = c.submit(spec, base_dir=JOBS / "storage")
+        committed = CheckpointStore(store, job.id).folders
+        chaos.wait_until(lambda: any(30 < step < 60 and done for step, done in committed().items()), 120,
+                         "a checkpoint committed in the second epoch (30 steps each)")
         workers = chaos.worker_pids(job.id, attempt=1)
         environments = {rank: chaos._environ(pid) for rank, pid in workers.items()}
         assert chaos.kill(workers[1], signal.SIGKILL)
@@ -81,9 +93,12 @@ def test_a_job_on_s3_checkpoints_restarts_downloads_and_keeps_secrets(s3_setup, 
         assert final.state == JobState.SUCCEEDED, describe(c, job.id)
         assert final.restarts == 1
 
-        # restarted from the S3 checkpoint, not from scratch
+        # restarted from the S3 checkpoint mid-epoch, and no sample was repeated or skipped
         resumed = {int(p.values["resumed_from"]) for p in c.iter_metrics(job.id) if "resumed_from" in p.values}
-        assert len(resumed) == 1 and resumed.pop() >= 5, describe(c, job.id)
+        assert len(resumed) == 1, describe(c, job.id)
+        resumed_from = resumed.pop()
+        assert 30 < resumed_from < 60, resumed_from  # mid-way through the second epoch
+        assert_each_sample_once_per_epoch(records, resumed_from, samples, epochs=2)
 
         # workers reach the store with the agent's key; the server's secret is nowhere it should not be
         for env in environments.values():
@@ -109,7 +124,7 @@ def test_a_job_on_s3_checkpoints_restarts_downloads_and_keeps_secrets(s3_setup, 
         done = run_cli("download", job.id, str(tmp_path / "out"), address=cluster.address)
         assert done.returncode == 0, done.stderr
         model = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
-        assert set(model) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+        assert set(model) == {"weight", "bias"}
 
     # damage the newest checkpoint: loading verifies it, skips it, and falls back to the one before
     damaged = f"{checkpoints.prefix}/step-{newest:010d}/__1_0.distcp"
@@ -119,6 +134,22 @@ def test_a_job_on_s3_checkpoints_restarts_downloads_and_keeps_secrets(s3_setup, 
     loaded = checkpoints.load(decode=lambda cps, name, group: decode_files(cps, name, group, rank=0, world_size=2))
     assert loaded is not None and loaded.step == min(folders)
     assert loaded.skipped[0][0] == f"step-{newest:010d}" and "__1_0.distcp" in loaded.skipped[0][1]
+
+
+def assert_each_sample_once_per_epoch(records: Path, resumed_from: int, samples: int, epochs: int) -> None:
+    """What the run trained on: attempt 1's steps up to the checkpoint attempt 2 resumed from, then attempt 2's."""
+    trained: dict[int, list[int]] = {epoch: [] for epoch in range(epochs)}
+    for path in sorted(records.glob("rank-*.txt")):
+        for line in path.read_text().splitlines():
+            attempt, step, epoch, *ids = map(int, line.split())
+            if attempt == 2 or step <= resumed_from:
+                trained[epoch] += ids
+    for epoch, ids in trained.items():
+        assert sorted(ids) == list(range(samples)), (epoch, len(ids), len(set(ids)))
+
+
+def store_options_of(config: Path) -> dict:
+    return yaml.safe_load(config.read_text())["store"]["options"]
 
 
 def store_secret(config: Path) -> str:

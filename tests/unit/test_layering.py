@@ -25,6 +25,10 @@ FORBIDDEN = {
     "torchrelay.agent": ("torchrelay.server", "torchrelay.scheduler", "torchrelay.train"),
     "torchrelay.server": ("torchrelay.client", "torchrelay.agent", "torchrelay.train"),
     "torchrelay.client": ("torchrelay.train", "torchrelay.scheduler"),
+    "torchrelay.shards": ("torchrelay.server", "torchrelay.client", "torchrelay.agent", "torchrelay.train",
+                          "torchrelay.scheduler"),
+    "torchrelay.storage": ("torchrelay.server", "torchrelay.client", "torchrelay.agent", "torchrelay.train",
+                           "torchrelay.scheduler", "torchrelay.shards"),
 }
 # the CLI verbs that start a server or an agent process in the foreground may import them
 ALLOWED = {"torchrelay.client.cli.server": ("torchrelay.server",), "torchrelay.client.cli.agent": ("torchrelay.agent",)}

@@ -58,6 +58,11 @@ class ArtifactStore:
         if self._local:
             os.makedirs(self.root, exist_ok=True)
 
+    @property
+    def local(self) -> bool:
+        """Whether the store is a folder of this host's file system (``full_path`` can be opened directly)."""
+        return self._local
+
     def __repr__(self) -> str:
         return f"ArtifactStore({self.url!r})"
 

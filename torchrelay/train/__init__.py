@@ -30,9 +30,11 @@ from torchrelay.train.data import shard, shard_indices
 from torchrelay.train.preempt import should_stop
 from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
+from torchrelay.train.resumable import ResumableStream
+from torchrelay.train.stream import ShardStream, stream
 
 __all__ = [
-    "Context", "LocalModule", "TrainState", "artifact_url", "checkpoint_due", "current_context", "finish",
-    "flush_metrics", "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
-    "shard", "shard_indices", "should_stop", "shutdown", "unwrap", "wait_for_checkpoint", "wait_for_staging",
+    "Context", "LocalModule", "ResumableStream", "ShardStream", "TrainState", "artifact_url", "checkpoint_due",
+    "current_context", "finish", "flush_metrics", "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
+    "shard", "shard_indices", "should_stop", "shutdown", "stream", "unwrap", "wait_for_checkpoint", "wait_for_staging",
 ]

@@ -14,6 +14,9 @@ Contract:
   rank, every RNG the rank uses: torch (CPU), CUDA (each device, when initialised), numpy's
   global one and Python's ``random``, plus the torch RNG as it was when this epoch's data
   iterator was made (the DataLoader draws its workers' seeds from it).
+- A loader that keeps its own position (``train.resumable.ResumableStream``, e.g. ``rt.stream``)
+  is saved per rank as its ``state_dict()`` and resumed with ``load_state_dict``: no batch is
+  read again. Otherwise:
 - Resuming mid-epoch makes the data iterator from that epoch-start RNG, skips the ``position``
   batches already trained (they are read, not trained on), then puts every RNG back as it was
   at the save: the batches, their order, dropout masks and augmentations continue exactly as
@@ -40,6 +43,7 @@ import torch
 from torchrelay.errors import StorageError
 from torchrelay.train.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
 from torchrelay.train.report import report
+from torchrelay.train.resumable import is_resumable
 from torchrelay.train.session import current_session
 
 log = logging.getLogger("torchrelay.train.checkpoint")
@@ -115,6 +119,8 @@ class TrainState:
                                  "extra": self.extra}
         if self._epoch_rng is not None:
             state["epoch_rng"] = {rank: self._epoch_rng}
+        if is_resumable(self.loader):  # a stream keeps its own position: saved per rank, as it is
+            state["data"] = {rank: self.loader.state_dict()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         balancer = current_session().balancer
@@ -143,6 +149,12 @@ class TrainState:
             log.warning("checkpoint at step %d has no RNG state for %s (saved by ranks %s): RNGs not restored",
                         self.step, rank, sorted((state.get("rng") or {})))
         self._resume_epoch_rng = (state.get("epoch_rng") or {}).get(rank)
+        if is_resumable(self.loader):
+            position = (state.get("data") or {}).get(rank)
+            if position is None:
+                raise ValueError(f"the checkpoint at step {self.step} holds no data position for {rank} (saved by "
+                                 f"{sorted(state.get('data') or {})}): resuming would repeat or skip samples")
+            self.loader.load_state_dict(position)
         if self.loader is None:
             if rng is not None:
                 restore_rng(rng)
@@ -193,7 +205,7 @@ class TrainState:
     def epochs(self, total: int) -> Iterator[int]:
         """Epochs ``self.epoch … total - 1``; sets the loader's sampler epoch before each."""
         while self.epoch < total:
-            sampler = getattr(self.loader, "sampler", None)
+            sampler = self.loader if is_resumable(self.loader) else getattr(self.loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             yield self.epoch
@@ -211,13 +223,13 @@ class TrainState:
         self._resume_epoch_rng = None
         self._epoch_rng = torch.get_rng_state()
         iterator = iter(self.loader)
-        if resume is not None:
+        if resume is not None and not is_resumable(self.loader):  # a stream resumed at its position itself
             skipped = sum(1 for _ in itertools.islice(iterator, self.position))
             if skipped != self.position:
                 raise ValueError(f"the checkpoint is {self.position} batches into epoch {self.epoch} but the "
                                  f"loader has only {skipped}: a different dataset, batch size or world size?")
-            if resume:
-                restore_rng(resume)
+        if resume:
+            restore_rng(resume)
         for batch in iterator:
             self.position += 1
             self.step += 1

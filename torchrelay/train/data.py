@@ -30,6 +30,12 @@ from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 
 
+def data_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size) among the ranks that read data: the given ones, else the context's
+    (under the parameter server, the workers'). Raises ``ValueError`` for a rank outside the world."""
+    return _resolve(rank, world_size)
+
+
 def _resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
     ctx = current_session().known_context()
     data_rank, data_world = ctx.rank, ctx.world_size

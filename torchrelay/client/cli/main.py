@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from torchrelay.client.cli import (agent, download, jobs, logs, metrics, nodes, queue, run, server, submit,
+from torchrelay.client.cli import (agent, data, download, jobs, logs, metrics, nodes, queue, run, server, submit,
                                   tensorboard, up)
 
 app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
@@ -23,6 +23,7 @@ app.command("metrics")(metrics.metrics)
 app.command("download")(download.download)
 app.command("nodes")(nodes.nodes)
 app.command("tensorboard")(tensorboard.tensorboard)
+app.add_typer(data.app, name="data")
 
 
 def main() -> None:
