@@ -565,3 +565,14 @@ def test_an_async_save_of_a_model_with_buffers_holds_the_statistics_of_its_call(
     rt.wait_for_checkpoint()
     state, _ = rt.load_checkpoint()
     assert torch.equal(state["model"]["running_mean"], before)
+
+
+def test_empty_dicts_come_back(checkpoints):
+    """DCP's flattening drops empty dicts; an optimizer without momentum has ``state: {}``, which
+    ``load_state_dict`` needs back."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoints.save({"optimizer": optimizer.state_dict(), "nested": {"a": {}, "b": [{}, {"c": {}}]}}, 1)
+    state = _load(checkpoints).state
+    assert state["optimizer"]["state"] == {} and state["nested"]["a"] == {} and state["nested"]["b"][1]["c"] == {}
+    torch.optim.SGD(model.parameters(), lr=0.1).load_state_dict(state["optimizer"])

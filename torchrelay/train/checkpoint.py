@@ -85,6 +85,7 @@ MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 FORMAT = "torchrelay-checkpoint/2"
 INT_KEYS = "_torchrelay_int_keys"  # paths of dicts whose keys were ints (DCP makes every key a str)
+EMPTY_DICTS = "_torchrelay_empty_dicts"  # paths of empty dicts (DCP's flattening drops them)
 _STEP_DIR_RE = re.compile(r"^step-(\d{10,})$")
 
 
@@ -176,6 +177,33 @@ def encode_int_keys(state: Any, path: tuple = ()) -> tuple[Any, list[tuple]]:
             paths.extend(inner)
         return items, paths
     return state, []
+
+
+def empty_dict_paths(state: Any, path: tuple = ()) -> list[tuple]:
+    """Paths of the empty dicts in ``state`` (nested dicts and lists). Pure."""
+    if isinstance(state, dict):
+        if not state and path:
+            return [path]
+        return [p for key, value in state.items() for p in empty_dict_paths(value, path + (key,))]
+    if isinstance(state, list):
+        return [p for index, value in enumerate(state) for p in empty_dict_paths(value, path + (index,))]
+    return []
+
+
+def restore_empty_dicts(state: dict, paths: Iterable[Iterable]) -> None:
+    """Put back, in place, the empty dicts ``empty_dict_paths`` found where a loaded state lacks them."""
+    for path in (tuple(p) for p in paths):
+        node: Any = state
+        for part in path[:-1]:
+            if isinstance(node, dict):
+                node = node.setdefault(part, {})
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            else:
+                break
+        else:
+            if isinstance(node, dict):
+                node.setdefault(path[-1], {})
 
 
 def decode_int_keys(state: Any, paths: Iterable[Iterable]) -> Any:
@@ -407,7 +435,7 @@ def _prepare_state(state: dict, split: Callable[[dict], dict] | None = None) -> 
     """What DCP saves for ``state``: ``split`` applied (checkpoint_replicas), then int keys encoded."""
     if not isinstance(state, dict):
         raise TypeError(f"a checkpoint state must be a dict, got {type(state).__name__}")
-    for reserved in (INT_KEYS, REPLICAS):
+    for reserved in (INT_KEYS, EMPTY_DICTS, REPLICAS):
         if reserved in state:
             raise ValueError(f"checkpoint key {reserved!r} is reserved by torchrelay")
     if split is not None:
@@ -415,6 +443,9 @@ def _prepare_state(state: dict, split: Callable[[dict], dict] | None = None) -> 
     encoded, paths = encode_int_keys(state)
     if paths:
         encoded[INT_KEYS] = [list(p) for p in paths]
+    empty = empty_dict_paths(encoded)
+    if empty:  # e.g. the "state" of an optimizer without momentum: load_state_dict needs the key
+        encoded[EMPTY_DICTS] = [list(p) for p in empty]
     return encoded
 
 
@@ -438,6 +469,7 @@ def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None, *, 
         raise (StorageError if io_error else CheckpointCorrupt)(message) from None
     state = planner.original_state_dict  # the template-free planner builds the state itself
     paths = state.pop(INT_KEYS, None) or []
+    restore_empty_dicts(state, state.pop(EMPTY_DICTS, None) or [])
     return join_replicas(decode_int_keys(state, paths), rank, world_size, where=f"checkpoint {checkpoints.url(name)}")
 
 
