@@ -5,6 +5,10 @@ and as a torchrelay job (``relay submit job.yaml``). Reports loss, samples/s and
 every step, checkpoints per the job's policy (or ``--checkpoint-every``) and resumes from the
 newest good checkpoint, evaluates on a fixed held-out 20 %, saves the model as the artifact
 ``model.pt`` and ends with the lines ``test_accuracy=…`` and ``model saved to …``.
+
+``--data URL`` trains from the training split packed into a store by ``pack.py`` (``s3://…``,
+``hdfs://…``, a shared folder), streamed with ``rt.stream``: fetched ahead, cached on local disk,
+shuffled in a buffer, its position checkpointed. Without it the split is loaded into memory.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="split, initial weights and data order")
+    parser.add_argument("--data", default=None, help="store URL of the packed training split (pack.py); "
+                        "default: in memory")
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="steps between checkpoints (default: the job's checkpoint policy; 0 = none)")
     return parser.parse_args(argv)
@@ -45,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     model = DigitsCNN()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model, optimizer = rt.prepare(model, optimizer)
-    loader = rt.shard(train_set, batch_size=args.batch_size, seed=args.seed)
+    if args.data:  # every rank the same number of steps (even): DDP's collectives need it
+        loader = rt.stream(args.data, batch_size=args.batch_size, seed=args.seed, shuffle_buffer=512, even=True)
+    else:
+        loader = rt.shard(train_set, batch_size=args.batch_size, seed=args.seed)
     steps_per_epoch = len(loader)
     total_steps = steps_per_epoch * args.epochs
 
