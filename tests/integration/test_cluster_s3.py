@@ -25,6 +25,7 @@ import torch
 import yaml
 
 import chaos
+from samples import assert_each_sample_once_per_epoch, kill_rank_1_mid_second_epoch, resumed_from, stream_job
 from conftest import kill_group
 from torchrelay.client.sdk import RelayClient
 from torchrelay.shards import pack
@@ -78,27 +79,14 @@ def test_a_job_on_s3_streams_checkpoints_restarts_downloads_and_keeps_secrets(s3
     records = tmp_path / "records"
     records.mkdir()
     cluster = cluster_factory(1, server_config=config, agent_env=agent_env)
-    spec = JobSpec.parse({"name": "s3", "entrypoint": f"python stream_trainer.py {url}/data/ids {records}",
-                          "workers": 2, "resources": {"cpu": 1}, "max_restarts": 2,
-                          "checkpoint": {"every_steps": 5, "keep": 2, "async": True}})
     with RelayClient(cluster.address) as c:
-        job = c.submit(spec, base_dir=JOBS / "storage")
-        committed = CheckpointStore(store, job.id).folders
-        chaos.wait_until(lambda: any(30 < step < 60 and done for step, done in committed().items()), 120,
-                         "a checkpoint committed in the second epoch (30 steps each)")
-        workers = chaos.worker_pids(job.id, attempt=1)
-        environments = {rank: chaos._environ(pid) for rank, pid in workers.items()}
-        assert chaos.kill(workers[1], signal.SIGKILL)
+        job = c.submit(stream_job(f"{url}/data/ids", records), base_dir=JOBS / "storage")
+        environments = kill_rank_1_mid_second_epoch(c, job.id, CheckpointStore(store, job.id))
         final = c.wait(job.id, timeout=180)
         assert final.state == JobState.SUCCEEDED, describe(c, job.id)
         assert final.restarts == 1
-
         # restarted from the S3 checkpoint mid-epoch, and no sample was repeated or skipped
-        resumed = {int(p.values["resumed_from"]) for p in c.iter_metrics(job.id) if "resumed_from" in p.values}
-        assert len(resumed) == 1, describe(c, job.id)
-        resumed_from = resumed.pop()
-        assert 30 < resumed_from < 60, resumed_from  # mid-way through the second epoch
-        assert_each_sample_once_per_epoch(records, resumed_from, samples, epochs=2)
+        assert_each_sample_once_per_epoch(records, resumed_from(c, job.id), samples, epochs=2)
 
         # workers reach the store with the agent's key; the server's secret is nowhere it should not be
         for env in environments.values():
@@ -134,18 +122,6 @@ def test_a_job_on_s3_streams_checkpoints_restarts_downloads_and_keeps_secrets(s3
     loaded = checkpoints.load(decode=lambda cps, name, group: decode_files(cps, name, group, rank=0, world_size=2))
     assert loaded is not None and loaded.step == min(folders)
     assert loaded.skipped[0][0] == f"step-{newest:010d}" and "__1_0.distcp" in loaded.skipped[0][1]
-
-
-def assert_each_sample_once_per_epoch(records: Path, resumed_from: int, samples: int, epochs: int) -> None:
-    """What the run trained on: attempt 1's steps up to the checkpoint attempt 2 resumed from, then attempt 2's."""
-    trained: dict[int, list[int]] = {epoch: [] for epoch in range(epochs)}
-    for path in sorted(records.glob("rank-*.txt")):
-        for line in path.read_text().splitlines():
-            attempt, step, epoch, *ids = map(int, line.split())
-            if attempt == 2 or step <= resumed_from:
-                trained[epoch] += ids
-    for epoch, ids in trained.items():
-        assert sorted(ids) == list(range(samples)), (epoch, len(ids), len(set(ids)))
 
 
 def store_options_of(config: Path) -> dict:

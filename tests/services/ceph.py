@@ -6,7 +6,8 @@ only). ``CephCluster()`` builds a cluster in a temp folder of its own and blocks
 endpoint answers and the bucket exists (3-5 s on 2 cores, 136 MiB resident); ``endpoint_url``,
 ``access_key``, ``secret_key``, ``region`` and ``bucket`` name it and ``env()`` gives them as
 the ``AWS_*`` variables the AWS tools (and so the store) read. ``stop_gateway()`` and
-``start_gateway()`` take the S3 endpoint away and bring it back (same port, same objects). ``stop()`` ends every daemon it started (their
+``start_gateway()`` take the S3 endpoint away and bring it back (same port, same objects);
+``mount_cephfs()`` adds a CephFS (``ceph-mds``) and mounts it with ``ceph-fuse`` (root). ``stop()`` ends every daemon it started (their
 process groups, never a name) and removes the folder; idempotent.
 
 How it is made fast and sound (Ceph 16.2 on a small host):
@@ -42,7 +43,7 @@ from pathlib import Path
 
 __all__ = ["CephCluster"]
 
-PACKAGES = ("ceph-mon", "ceph-osd", "radosgw")
+PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-mds", "ceph-fuse")
 TOOLS = ("ceph", "ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph-authtool", "monmaptool")
 CONNECT_TIMEOUT_S = 20
 START_TIMEOUT_S = 90
@@ -91,6 +92,16 @@ class CephCluster:
                 return f"apt-get install {' '.join(PACKAGES)} failed: {reason}"
         return None
 
+    @staticmethod
+    def cephfs_unavailable() -> str | None:
+        """None when ``mount_cephfs()`` can work here (after ``unavailable()``); else why not."""
+        if os.geteuid() != 0:
+            return "mounting CephFS with ceph-fuse needs root"
+        if not os.path.exists("/dev/fuse"):
+            return "/dev/fuse is missing (no FUSE in this kernel or container)"
+        missing = [tool for tool in ("ceph-mds", "ceph-fuse", "fusermount") if shutil.which(tool) is None]
+        return f"{', '.join(missing)} not installed" if missing else None
+
     def __init__(self, bucket: str = "relay-test") -> None:
         self.root = Path(tempfile.mkdtemp(prefix="relay-ceph-"))
         self.conf = self.root / "ceph.conf"
@@ -98,6 +109,7 @@ class CephCluster:
         self.access_key = "RELAYTEST" + secrets.token_hex(6).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self._daemons: list[subprocess.Popen] = []
+        self.mountpoint: Path | None = None
         started = time.monotonic()
         try:
             self._start()
@@ -170,6 +182,37 @@ class CephCluster:
         self.start_gateway()
         self.client().create_bucket(Bucket=self.bucket)
 
+    def mount_cephfs(self) -> Path:
+        """A CephFS on this cluster (its pools, one ``ceph-mds``) mounted with ``ceph-fuse`` at a
+        folder of its own; returns the mount point. Root only (FUSE with allow_other). Idempotent.
+        ``stop()`` unmounts it before it ends the daemons."""
+        if self.mountpoint is not None:
+            return self.mountpoint
+        for pool in ("cephfs_metadata", "cephfs_data"):
+            self._ceph("osd", "pool", "create", pool, "8")
+        self._ceph("fs", "new", "cephfs", "cephfs_metadata", "cephfs_data")
+        (self.root / "mds" / "ceph-a").mkdir(parents=True)
+        self._spawn("ceph-mds", "-f", "-i", "a")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while '"up:active"' not in self._ceph("fs", "dump", "--format", "json").replace(": ", ":"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the MDS did not become active in {START_TIMEOUT_S} s{self._log_tails()}")
+            time.sleep(0.2)
+        mountpoint = self.root / "cephfs"
+        mountpoint.mkdir()
+        self._fuse = self._spawn("ceph-fuse", "-f", "-n", "client.admin", "-o", "allow_other", str(mountpoint))
+        while not os.path.ismount(mountpoint):
+            if self._fuse.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ceph-fuse did not mount {mountpoint}{self._log_tails()}")
+            time.sleep(0.1)
+        self.mountpoint = mountpoint
+        return mountpoint
+
+    def _unmount(self) -> None:
+        mountpoint, self.mountpoint = self.mountpoint, None
+        if mountpoint is not None and os.path.ismount(mountpoint):
+            subprocess.run(["fusermount", "-u", "-z", str(mountpoint)], capture_output=True, timeout=30)
+
     def start_gateway(self) -> None:
         """Start radosgw (again, on the same port) and block until it answers."""
         self._gateway = self._spawn("radosgw", "-f", "-n", "client.rgw.gw")
@@ -219,6 +262,8 @@ osd data = {root}/osd/$cluster-$id
 osd objectstore = memstore
 memstore device bytes = {2 << 30}
 osd max object size = {1 << 30}
+[mds]
+mds data = {root}/mds/$cluster-$id
 [client.rgw.gw]
 rgw frontends = beast endpoint=127.0.0.1:{self.rgw_port}
 rgw data = {root}/rgw
@@ -232,10 +277,13 @@ rgw gc processor period = 10
         keyring = str(self.root / "keyring")
         entities = {
             "mon.": ["--cap", "mon", "allow *"],
-            "client.admin": ["--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *"],
+            "client.admin": ["--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *",
+                             "--cap", "mds", "allow *"],
             "osd.0": ["--cap", "mon", "allow profile osd", "--cap", "mgr", "allow profile osd",
                       "--cap", "osd", "allow *"],
             "client.rgw.gw": ["--cap", "mon", "allow rw", "--cap", "osd", "allow rwx", "--cap", "mgr", "allow rw"],
+            "mds.a": ["--cap", "mon", "allow profile mds", "--cap", "osd", "allow *", "--cap", "mds", "allow *",
+                      "--cap", "mgr", "allow profile mds"],
         }
         self._run("ceph-authtool", "--create-keyring", keyring)
         for name, caps in entities.items():
@@ -293,6 +341,7 @@ rgw gc processor period = 10
 
     def stop(self) -> None:
         """End every daemon this cluster started (its process group) and remove the folder. Idempotent."""
+        self._unmount()
         daemons, self._daemons = self._daemons, []
         for proc in reversed(daemons):  # radosgw, then the OSD, then the mon
             _end_group(proc)
