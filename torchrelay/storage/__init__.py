@@ -3,8 +3,9 @@
 Rooms (each imports only those below it, and ``torchrelay.errors``):
 - ``store``: ``ArtifactStore``, the facade every caller uses (see its contract there).
 - ``connect``: a URL and options -> the fsspec file system, its root, and its backend.
-- ``backend``, ``local``, ``s3``: how whole-file and conditional writes are made on a generic
-  fsspec file system, a local/POSIX folder, and an S3 store (no rename; conditional PUTs).
+- ``backend``, ``local``, ``s3``, ``hdfs``: how whole-file and conditional writes are made on a
+  generic fsspec file system, a local/POSIX folder, an S3 store (no rename; conditional PUTs)
+  and HDFS over WebHDFS (a rename that never replaces).
 - ``options``, ``conditional``, ``keys``, ``failures``: pure: store options -> fsspec arguments
   and the package a scheme needs; what a probe found and the fence's decision; the key layout;
   error causes without secrets.

@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torchrelay.errors import StorageError
 from torchrelay.storage.backend import Backend
 from torchrelay.storage.failures import describe_os_error, redact
+from torchrelay.storage.hdfs import WebHdfsBackend
 from torchrelay.storage.local import LocalBackend
 from torchrelay.storage.options import (OBJECT_STORE_SCHEMES, missing_package, refuse_credentials_in_url,
                                         s3fs_kwargs, secrets_of)
@@ -61,6 +62,8 @@ def open_store(url: str, options: Mapping[str, Any], env: Mapping[str, str]) -> 
         backend: Backend = LocalBackend(fs)
     elif protocol in OBJECT_STORE_SCHEMES:
         backend = S3Backend(fs, root)
+    elif protocol in ("webhdfs", "swebhdfs"):
+        backend = WebHdfsBackend(fs)
     else:
         backend = Backend(fs)
     return OpenedStore(fs=fs, root=root, protocol=protocol, local=local, backend=backend, secrets=secrets)

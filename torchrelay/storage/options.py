@@ -27,10 +27,12 @@ from torchrelay.errors import StorageError
 _IMPLEMENTATION_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "s3": (("s3fs",), "s3fs (pip install 'torchrelay[s3]')"),
     "s3a": (("s3fs",), "s3fs (pip install 'torchrelay[s3]')"),
-    "hdfs": (("pyarrow", "hdfs_native"), "pyarrow (with Java's libhdfs) or hdfs-native (no Java)"),
+    "hdfs": (("pyarrow", "hdfs_native"), "hdfs-native (no Java; pip install 'torchrelay[hdfs]') or pyarrow "
+             "(with Java's libhdfs)"),
     "arrow_hdfs": (("pyarrow",), "pyarrow"),
     "viewfs": (("hdfs_native",), "hdfs-native"),
-    "webhdfs": (("requests",), "requests"),
+    "webhdfs": (("requests",), "requests (pip install 'torchrelay[hdfs]')"),
+    "swebhdfs": (("requests",), "requests (pip install 'torchrelay[hdfs]')"),
     "gs": (("gcsfs",), "gcsfs"),
     "gcs": (("gcsfs",), "gcsfs"),
     "abfs": (("adlfs",), "adlfs"),
