@@ -10,8 +10,8 @@
   shares only): the same number of steps on every rank, as DDP needs.
 - ``rank_spans(sizes, order, bounds)``: a range as ``Span``s of shards (shard, start, stop).
 - ``buffered_order(count, buffer_size, seed)``: the order in which a shuffle buffer of
-  ``buffer_size`` emits a stream of ``count`` samples (positions 0..count-1): a sample leaves at
-  most ``buffer_size`` places away from where it came in, so only a window of shards is needed.
+  ``buffer_size`` lets a stream of ``count`` samples (positions 0..count-1) out: a sample
+  leaves at most ``buffer_size`` places before it came in, so only a window of shards is needed.
 
 Every function depends only on its arguments (no clock, no I/O, Python's own ``random`` seeded
 from the arguments), so a resumed process, or another rank, computes the same plan.
@@ -77,19 +77,16 @@ def rank_spans(sizes: Sequence[int], order: Sequence[int], bounds: tuple[int, in
 
 
 def buffered_order(count: int, buffer_size: int, seed: str | int) -> list[int]:
-    """Positions ``0..count-1`` in the order a shuffle buffer of ``buffer_size`` emits them."""
+    """Positions ``0..count-1`` in the order a shuffle buffer of ``buffer_size`` lets them out.
+
+    Each sample waits a random number of places, uniform in ``[0, buffer_size)``, and they leave
+    in the order of position plus wait: what a buffer that holds ``buffer_size`` samples and lets
+    a random one out does, computed without stepping through it (a sort of ``count`` keys rather
+    than ``count`` random draws from a list in Python). A sample leaves at most ``buffer_size``
+    places before it came in, so only a window of shards is needed at a time.
+    """
     if buffer_size <= 1:
         return list(range(count))
     rng = random.Random(f"buffer:{seed}")
-    buffer: list[int] = []
-    out: list[int] = []
-    for position in range(count):
-        if len(buffer) < buffer_size:
-            buffer.append(position)
-            continue
-        slot = rng.randrange(buffer_size)
-        out.append(buffer[slot])
-        buffer[slot] = position
-    rng.shuffle(buffer)
-    out.extend(buffer)
-    return out
+    keys = [position + rng.random() * buffer_size for position in range(count)]
+    return sorted(range(count), key=keys.__getitem__)

@@ -111,6 +111,12 @@ class ArtifactStore:
         with self.open_write(key) as out, open(local_path, "rb") as source:
             shutil.copyfileobj(source, out, length=8 << 20)
 
+    @contextlib.contextmanager
+    def open_read(self, key: str) -> Iterator[IO[bytes]]:
+        """``key`` as a binary file to read. Raises ``NotFound``, ``StorageError`` (also while reading)."""
+        with self._failures("read", key), self.fs.open(self.full_path(key), "rb") as fh:
+            yield fh
+
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
         """Copy ``key`` to the local file ``local_path``, which appears whole or not at all."""
         tmp = temp_name(os.fspath(local_path))

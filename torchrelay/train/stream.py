@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import math
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -181,18 +182,24 @@ class _Window:
     def gather(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         self._fetch_through(stop)
         shards, rows = self.shards[start:stop], self.rows[start:stop]
-        out: dict[str, torch.Tensor] | None = None
-        for shard in torch.unique(shards).tolist():
-            columns = self.loading[shard].result()
-            mask = shards == shard
-            if out is None:
-                out = {k: torch.empty((stop - start, *v.shape[1:]), dtype=v.dtype) for k, v in columns.items()}
-            picked = rows[mask]
-            for key, column in columns.items():
-                out[key][mask] = column[picked]
+        # one index_select per shard and field, in shard order, then one scatter back to batch order
+        order = torch.argsort(shards, stable=True)
+        groups, counts = torch.unique_consecutive(shards[order], return_counts=True)
+        sorted_rows = rows[order]
+        pieces: dict[str, list[torch.Tensor]] = {}
+        offset = 0
+        for shard, count in zip(groups.tolist(), counts.tolist()):
+            picked = sorted_rows[offset:offset + count]
+            for key, column in self.loading[shard].result().items():
+                pieces.setdefault(key, []).append(column.index_select(0, picked))
+            offset += count
+        out = {}
+        for key, parts in pieces.items():
+            gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out[key] = torch.empty_like(gathered)
+            out[key][order] = gathered
         for shard in [s for s in self.loading if self.last_use[s] < stop]:
             del self.loading[shard]  # its last sample is out: the mapping goes with the last reference
-        assert out is not None
         return out
 
     def _fetch_through(self, stop: int) -> None:
@@ -223,12 +230,21 @@ class _DiskCache:
             if os.path.getsize(path) == entry.bytes:
                 os.utime(path)  # recently used
                 return path
-        store.get_file(entry.name, path)  # whole or not at all (a temp file renamed)
-        digest = _sha256(path)
-        if digest != entry.sha256:
-            os.unlink(path)
-            raise StorageError(f"shard {store.url_of(entry.name)} has sha256 {digest[:12]}…, its index says "
-                               f"{entry.sha256[:12]}… (changed after it was packed?)")
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
+        try:
+            with store.open_read(entry.name) as source, open(tmp, "wb") as out:
+                hasher = hashlib.sha256()  # hashed as it arrives: no second pass over the file
+                for block in iter(lambda: source.read(8 << 20), b""):
+                    hasher.update(block)
+                    out.write(block)
+            digest = hasher.hexdigest()
+            if digest != entry.sha256:
+                raise StorageError(f"shard {store.url_of(entry.name)} has sha256 {digest[:12]}…, its index says "
+                                   f"{entry.sha256[:12]}… (changed after it was packed?)")
+            os.replace(tmp, path)  # whole or not at all
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         self._evict(keep=path)
         return path
 
@@ -248,14 +264,6 @@ class _DiskCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(full)  # a reader that mapped it keeps its pages
                 total -= size
-
-
-def _sha256(path: str) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def _options_for(url: str, given: Mapping[str, Any] | None) -> Mapping[str, Any]:
