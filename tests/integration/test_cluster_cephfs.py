@@ -35,6 +35,7 @@ def cephfs(ceph):
     return ceph.mount_cephfs()
 
 
+@pytest.mark.slow  # a second cluster job with a kill (~60 s): make test-all
 def test_a_job_trains_checkpoints_and_restarts_on_cephfs(cephfs, cluster_factory, tmp_path):
     base = cephfs / uuid.uuid4().hex[:12]
     samples = 240

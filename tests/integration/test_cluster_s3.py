@@ -132,6 +132,7 @@ def store_secret(config: Path) -> str:
     return yaml.safe_load(config.read_text())["store"]["options"]["secret_access_key"]
 
 
+@pytest.mark.slow  # the gateway stopped and started again, a job (~40 s): make test-all
 def test_the_store_going_away_fails_a_save_and_the_job_goes_on(ceph, s3_setup, cluster_factory, tmp_path):
     url, config, agent_env, store = s3_setup
     cluster = cluster_factory(1, server_config=config, agent_env=agent_env)

@@ -109,6 +109,7 @@ def test_the_job_spec_asks_for_two_ddp_workers_running_train_py():
     assert (DIGITS / spec.workdir / "train.py").is_file()
 
 
+@pytest.mark.slow  # three epochs of training (~30 s): make test-all
 def test_digits_trains_from_a_packed_store(tmp_path):
     """pack.py writes the training split as shards; train.py --data streams them (rt.stream) and
     reaches the same accuracy as from memory."""

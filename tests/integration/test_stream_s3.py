@@ -19,6 +19,7 @@ from torchrelay.storage import ArtifactStore
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow  # the gateway stopped and started again: make test-all
 def test_a_stream_from_s3_is_cached_and_verified(ceph, tmp_path):
     options = {"endpoint_url": ceph.endpoint_url, "region": ceph.region, "access_key_id": ceph.access_key,
                "secret_access_key": ceph.secret_key}
