@@ -16,7 +16,7 @@ import torch
 
 import torchrelay.train as rt
 from services.webhdfs_double import WebHdfsDouble
-from test_storage_s3 import CASES
+from test_storage_s3 import CASES, run_case
 from torchrelay.shards import pack
 from torchrelay.storage import ArtifactStore, Guarantee
 
@@ -44,10 +44,7 @@ def store(hdfs_root):
 
 @pytest.mark.parametrize("operation, expected", CASES, ids=[op.__name__ for op, _ in CASES])
 def test_store_operation(store, operation, expected, tmp_path):
-    files = tmp_path / "files"
-    files.mkdir()
-    args = (store, files) if operation.__code__.co_argcount == 2 else (store,)
-    assert operation(*args) == expected
+    assert run_case(store, operation, tmp_path) == expected
 
 
 def test_what_webhdfs_guarantees(store):

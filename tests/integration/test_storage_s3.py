@@ -174,12 +174,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("operation, expected", CASES, ids=[op.__name__ for op, _ in CASES])
-def test_store_operation(store, operation, expected, tmp_path):
+def run_case(store, operation, tmp_path):
+    """``operation(store)``, or ``operation(store, a scratch folder)`` for those that take one."""
     files = tmp_path / "files"
     files.mkdir()
-    args = (store, files) if operation.__code__.co_argcount == 2 else (store,)
-    assert operation(*args) == expected
+    return operation(*((store, files) if operation.__code__.co_argcount == 2 else (store,)))
+
+
+@pytest.mark.parametrize("operation, expected", CASES, ids=[op.__name__ for op, _ in CASES])
+def test_store_operation(store, operation, expected, tmp_path):
+    assert run_case(store, operation, tmp_path) == expected
 
 
 def test_conditional_writes_are_atomic_on_both(store):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from torchrelay.client.cli.common import fail, handle_errors
+from torchrelay.client.cli.common import fail, handle_errors, key_values
 
 
 @handle_errors
@@ -34,12 +34,7 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
-    labels = {}
-    for item in label:
-        if "=" not in item:
-            fail(f"--label {item!r} is not key=value")
-        k, v = item.split("=", 1)
-        labels[k] = v
+    labels = key_values(label, "--label")
     name = name or socket.gethostname()
     try:
         node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,

@@ -51,6 +51,17 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def key_values(items: list[str], flag: str) -> dict[str, str]:
+    """``["k=v", …]`` of a repeatable option as a dict; exits naming ``flag`` and the item otherwise."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            fail(f"{flag} {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        out[key] = value
+    return out
+
+
 def handle_errors(fn: F) -> F:
     """Turn torchrelay errors into one clear line and an exit status."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from torchrelay.client.cli.common import OutputOpt, Output, console, fail, handle_errors, print_json
+from torchrelay.client.cli.common import OutputOpt, Output, console, fail, handle_errors, key_values, print_json
 
 app = typer.Typer(help="datasets as shard files in a store (docs/datasets.md)", no_args_is_help=True)
 
@@ -29,12 +29,7 @@ def pack(src: Path = typer.Argument(..., help="a .pt (dict or tuple of tensors),
     from torchrelay.shards.pack import pack as pack_samples
     from torchrelay.shards.pack import read_source
 
-    options = {}
-    for item in option:
-        if "=" not in item:
-            fail(f"--option {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        options[key] = value
+    options = key_values(option, "--option")
     try:
         parse_size(shard_size)
         columns = read_source(src)
