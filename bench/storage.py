@@ -12,7 +12,8 @@ them when missing), then, rounds interleaved, medians:
   (fetch, sha256, mmap, shuffle buffer, batches of 256) vs a raw sequential read of the same
   shards (``cat_file``, ``torch.load``, slices of 256), samples/s;
 - train: the digits CNN (examples/digits, one process, batches of 32) per step, its data from
-  memory (``rt.shard``) vs streamed from the bucket (``rt.stream``), epochs after the first.
+  memory (``rt.shard``) vs streamed from the bucket (``rt.stream``), epochs interleaved, all
+  but the first.
 
 Ends with ``RESULT {"s3_save_vs_raw", "s3_load_vs_raw", "stream_vs_raw_read",
 "train_from_store_step_ratio", ...}``: each ours-vs-baseline as the baseline's time over ours
@@ -129,31 +130,37 @@ def bench_digits(url: str, options: dict, epochs: int) -> dict:
     from torchrelay.shards import pack
 
     train_set, _ = load_split(0)
-    pack(train_set.tensors, f"{url}/digits", shard_size="16KiB", storage_options=options)
+    pack(train_set.tensors, f"{url}/digits", shard_size="64KiB", storage_options=options)
     cache = tempfile.mkdtemp(prefix="relay-bench-digits-")
 
-    def steps(loader) -> list[float]:
+    def trainer():
         torch.manual_seed(0)
         model = DigitsCNN()
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        out = []
-        for epoch in range(epochs):
-            loader.set_epoch(epoch) if hasattr(loader, "set_epoch") else loader.sampler.set_epoch(epoch)
-            last = time.perf_counter()
-            for images, labels in loader:
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(model(images), labels).backward()
-                optimizer.step()
-                now = time.perf_counter()
-                if epoch:  # the first epoch fills the cache (and warms up): not counted
-                    out.append(now - last)
-                last = now
+        return model, torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def epoch_steps(loader, model, optimizer, epoch: int) -> list[float]:
+        loader.set_epoch(epoch) if hasattr(loader, "set_epoch") else loader.sampler.set_epoch(epoch)
+        out, last = [], time.perf_counter()
+        for images, labels in loader:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            now = time.perf_counter()
+            out.append(now - last)
+            last = now
         return out
 
     try:
-        memory = steps(rt.shard(train_set, batch_size=32, seed=0, rank=0, world_size=1))
-        store = steps(rt.stream(f"{url}/digits", batch_size=32, seed=0, shuffle_buffer=512, rank=0, world_size=1,
-                                cache_dir=cache, storage_options=options))
+        runs = {"memory": (rt.shard(train_set, batch_size=32, seed=0, rank=0, world_size=1), *trainer()),
+                "store": (rt.stream(f"{url}/digits", batch_size=32, seed=0, shuffle_buffer=512, rank=0, world_size=1,
+                                    cache_dir=cache, storage_options=options), *trainer())}
+        times: dict[str, list[float]] = {"memory": [], "store": []}
+        for epoch in range(epochs):  # interleaved, epoch by epoch: both see the same load
+            for name, (loader, model, optimizer) in runs.items():
+                steps = epoch_steps(loader, model, optimizer, epoch)
+                if epoch:  # the first epoch fills the cache (and warms up): not counted
+                    times[name] += steps
+        memory, store = times["memory"], times["store"]
     finally:
         shutil.rmtree(cache)
     med_memory, med_store = statistics.median(memory), statistics.median(store)

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dest", help="store URL of the dataset")
     parser.add_argument("--seed", type=int, default=0, help="the split's seed (train.py --seed)")
-    parser.add_argument("--shard-size", default="16KiB", help="bytes of samples per shard (1,437 samples = 375 KiB)")
+    parser.add_argument("--shard-size", default="64KiB", help="bytes of samples per shard (1,437 samples = 375 KiB)")
     args = parser.parse_args(argv)
     train_set, _test = load_split(args.seed)
     index = pack(train_set.tensors, args.dest, shard_size=args.shard_size)
