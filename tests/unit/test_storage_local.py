@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize("url, missing, message", [
     ("s3://bucket/prefix", {"s3fs"}, r"the store s3://bucket/prefix needs s3fs \(pip install 'torchrelay\[s3\]'\)"),
     ("hdfs://namenode:8020/relay", {"pyarrow", "hdfs_native"},
-     r"needs pyarrow \(with Java's libhdfs\) or hdfs-native \(no Java\): no fsspec implementation of hdfs://"),
+     r"needs hdfs-native \(no Java; pip install 'torchrelay\[hdfs\]'\) or pyarrow \(with Java's libhdfs\): "
+     r"no fsspec implementation of hdfs://"),
     ("gs://bucket/x", {"gcsfs"}, "needs gcsfs"),
     ("nosuchscheme://x/y", set(), "has a scheme no fsspec implementation knows"),
 ])

@@ -62,7 +62,7 @@ def test_the_layout():
     ("s3", set(), "s3fs (pip install 'torchrelay[s3]')"),
     ("s3", {"s3fs"}, None),
     ("s3a", set(), "s3fs (pip install 'torchrelay[s3]')"),
-    ("hdfs", set(), "pyarrow (with Java's libhdfs) or hdfs-native (no Java)"),
+    ("hdfs", set(), "hdfs-native (no Java; pip install 'torchrelay[hdfs]') or pyarrow (with Java's libhdfs)"),
     ("hdfs", {"hdfs_native"}, None),
     ("hdfs", {"pyarrow"}, None),
     ("gs", set(), "gcsfs"),
