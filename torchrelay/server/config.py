@@ -65,17 +65,22 @@ def parse_server_config(data: Any, source: str = "server config") -> ServerConfi
 
 def load_server_config(path: str | Path) -> ServerConfig:
     """Read and parse the YAML file at ``path``. Raises ``InvalidSpec`` naming the file."""
+    return parse_server_config(read_yaml(path, "server config"), f"server config {str(path)!r}")
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The parsed YAML of the file at ``path``; ``InvalidSpec`` naming ``what`` and the file when it
+    cannot be read or parsed (the server's config and quota files)."""
     import yaml
 
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise InvalidSpec(f"server config {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        raise InvalidSpec(f"{what} {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise InvalidSpec(f"server config {str(path)!r} is not valid YAML: {exc}") from None
-    return parse_server_config(data, f"server config {str(path)!r}")
+        raise InvalidSpec(f"{what} {str(path)!r} is not valid YAML: {exc}") from None
 
 
 def _refuse_unknown(data: dict, known: tuple[str, ...], where: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.scheduler import Quota
+from torchrelay.server.config import read_yaml
 
 _LIMITS = {"cpus": float, "gpus": int, "jobs": int}
 
@@ -49,17 +50,7 @@ class QuotaTable:
     @classmethod
     def load(cls, path: str | Path) -> "QuotaTable":
         """Read a YAML quota file. Raises InvalidSpec naming the file when it is unreadable or malformed."""
-        import yaml
-
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise InvalidSpec(f"quota file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise InvalidSpec(f"quota file {str(path)!r} is not valid YAML: {exc}") from None
-        return cls.parse(data, source=f"quota file {str(path)!r}")
+        return cls.parse(read_yaml(path, "quota file"), source=f"quota file {str(path)!r}")
 
     def quota_of(self, user: str) -> Quota | None:
         return self.users.get(user, self.default)
