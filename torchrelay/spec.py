@@ -69,10 +69,11 @@ class Resources(_Strict):
     gpu: int = Field(default=0, ge=0)
     memory: int = Field(default=0, ge=0, description="bytes; accepts '2GiB' etc.")
     gpu_type: str | None = None
-    accelerator: Literal["none", "required", "prefer"] | None = Field(
+    accelerator: Literal["none", "required", "prefer", "any"] | None = Field(
         default=None, description="none: CPU only; required: GPUs (of gpu_type, else any one type); prefer: "
-        "GPUs when the whole gang fits on them now, else CPUs with gpu=0. Default: required when gpu or "
-        "gpu_type is given, else none")
+        "GPUs when the whole gang fits on them now, else CPUs with gpu=0; any: workers of any device in one "
+        "job, gpu GPUs each on GPU nodes and none on CPU nodes, a gloo group (docs/heterogeneous.md). "
+        "Default: required when gpu or gpu_type is given, else none")
 
     @model_validator(mode="after")
     def _accelerator_consistent(self) -> "Resources":
@@ -83,7 +84,7 @@ class Resources(_Strict):
 
     @property
     def accelerator_mode(self) -> str:
-        """``accelerator`` with its default resolved: "none", "required" or "prefer"."""
+        """``accelerator`` with its default resolved: "none", "required", "prefer" or "any"."""
         if self.accelerator is not None:
             return self.accelerator
         return "required" if (self.gpu or self.gpu_type) else "none"

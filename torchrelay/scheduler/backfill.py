@@ -114,7 +114,7 @@ def reserve(cluster: Cluster, tiers: Tiers, job: QueuedJob, free: np.ndarray, ho
         start, avail_at_start = None, avail
     else:
         start, avail_at_start, choice = found
-    nodes, use = use_of(choice)
+    nodes, use = use_of(choice, cluster)
     extra = np.full_like(free, np.inf)
     extra[nodes] = avail_at_start[nodes]
     np.subtract.at(extra, nodes, use)
@@ -137,7 +137,7 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
         smallest = bounds.get((tiers, job.workers))
         if smallest is None:  # the least any alternative takes in all (less a float tolerance)
             smallest = bounds[(tiers, job.workers)] = [
-                min(alt.need[d] * job.workers for tier in tiers for alt in tier) - 1e-6 for d in range(3)]
+                min(alt.least_need[d] * job.workers for tier in tiers for alt in tier) - 1e-6 for d in range(3)]
         everywhere = avail.sum(axis=0).tolist()  # free on all nodes: bounds free on the eligible ones
         pending: list[tuple[np.ndarray, np.ndarray]] = []
         while True:
@@ -160,7 +160,7 @@ def estimate_starts(cluster: Cluster, waiting: list[tuple[QueuedJob, Tiers]], fr
                 pending.append((nodes, use))
                 everywhere = [a + b for a, b in zip(everywhere, released)]
         out[job.job_id] = clock
-        nodes, use = use_of(choice)
+        nodes, use = use_of(choice, cluster)
         np.subtract.at(avail, nodes, use)
         index.touch(nodes.tolist())
         if job.max_runtime_s is not None:

@@ -5,7 +5,12 @@ Contract:
   holds ``total`` (N×3: cpus, gpus, memory bytes) and the ``ready`` mask. It never changes.
 - ``alternatives(job, cluster)`` lists what a job may be granted, as tiers tried in order: a
   job asking for "any accelerator" gets one ``Alternative`` per GPU type in the cluster (a gang
-  never mixes GPU types); "prefer" adds a CPU tier after the GPU tier. Pure.
+  never mixes GPU types); "prefer" adds a CPU tier after the GPU tier; "any" (workers of any
+  device in one gang) is one tier, one ``Alternative`` per GPU type, each eligible on the nodes
+  without GPUs and the nodes of that type (``mixed``). Pure.
+- A mixed alternative's need differs per node: a worker on a node with GPUs takes ``gpu`` GPUs
+  there (it is a GPU rank), one on a node without GPUs takes none (``Cluster.need_rows``). The
+  rule depends only on the node, never on what is free, so capacities stay monotone.
 - ``usage(shape, workers)`` is the resource vector a number of workers takes.
 - ``Cluster.roles_of(job)``: per role of ``job`` (``QueuedJob.roles``) a ``RoleRequest``: the
   role's processes as a job of their own (spread freely, the job's labels), its tiers of
@@ -23,7 +28,7 @@ from torchrelay.errors import InvalidSpec
 from torchrelay.scheduler.types import QueuedJob, SchedulerInput, WorkerShape
 
 CPU, GPU, MEM = 0, 1, 2
-ACCELERATOR_MODES = ("none", "required", "prefer")
+ACCELERATOR_MODES = ("none", "required", "prefer", "any")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +36,24 @@ class Alternative:
     """One way to run a job: the granted worker shape and which nodes may take it."""
 
     shape: WorkerShape  # as granted: gpu_type is the node type the gang runs on, gpu may be 0
-    need: tuple[float, float, float]  # per worker: cpus, gpus, memory
-    # (runs on GPUs?, which type): which nodes may take it; derived from ``shape``, kept as a
-    # field because fit checks ask for it thousands of times a cycle
-    gpu_key: tuple[bool, str | None] = field(init=False, compare=False, repr=False)
+    need: tuple[float, float, float]  # per worker: cpus, gpus, memory (on a GPU node, if mixed)
+    # (runs on GPUs?, which type, mixed?): which nodes may take it; derived from ``shape``, kept
+    # as a field because fit checks ask for it thousands of times a cycle
+    gpu_key: tuple[bool, str | None, bool] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         gpu = self.shape.gpu > 0
-        object.__setattr__(self, "gpu_key", (gpu, self.shape.gpu_type if gpu else None))
+        object.__setattr__(self, "gpu_key", (gpu, self.shape.gpu_type if gpu else None, self.mixed))
+
+    @property
+    def mixed(self) -> bool:
+        """Workers of any device: GPU ranks on GPU nodes, CPU ranks on nodes without GPUs."""
+        return self.shape.accelerator == "any"
+
+    @property
+    def least_need(self) -> tuple[float, float, float]:
+        """The least one worker takes on any node (a mixed worker on a CPU node takes no GPU)."""
+        return (self.need[0], 0.0, self.need[2]) if self.mixed else self.need
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +84,7 @@ class Cluster:
         self._label_columns: dict[str, np.ndarray] = {}  # label key -> each node's value (or None)
         self._gpu_type_column = np.array([n.gpu_type for n in ordered], dtype=object).reshape(-1)
         self._masks: dict[tuple, np.ndarray] = {}
+        self._need_rows: dict[tuple, np.ndarray] = {}
         self._roles: dict[tuple, tuple[RoleRequest, ...]] = {}
         # dims a node has at all, for the fragmentation score (avoid dividing by zero)
         self.inv_total = np.where(self.total > 0, 1.0 / np.where(self.total > 0, self.total, 1.0), 0.0)
@@ -81,9 +97,11 @@ class Cluster:
         key = (alt.gpu_key, labels)
         mask = self._masks.get(key)
         if mask is None:
-            wants_gpu, gpu_type = alt.gpu_key
+            wants_gpu, gpu_type, mixed = alt.gpu_key
             mask = np.ones(len(self.ids), dtype=bool)
-            if wants_gpu:
+            if mixed:
+                mask &= ~self.has_gpu | _equal(self._gpu_type_column, gpu_type)
+            elif wants_gpu:
                 mask &= self.has_gpu & _equal(self._gpu_type_column, gpu_type)
             for k, v in dict(labels).items():
                 column = self._label_columns.get(k)
@@ -93,6 +111,17 @@ class Cluster:
                 mask &= _equal(column, v)
             self._masks[key] = mask
         return mask
+
+    def need_rows(self, alt: Alternative) -> tuple[float, float, float] | np.ndarray:
+        """What one worker of ``alt`` takes on each node: ``alt.need`` itself, or for a mixed
+        alternative an N×3 array (no GPUs on the nodes without GPUs); cached per cycle."""
+        if not alt.mixed:
+            return alt.need
+        rows = self._need_rows.get(alt.need)
+        if rows is None:
+            rows = self._need_rows[alt.need] = np.tile(np.asarray(alt.need, dtype=np.float64), (len(self.ids), 1))
+            rows[~self.has_gpu, GPU] = 0.0
+        return rows
 
     def roles_of(self, job: QueuedJob) -> tuple[RoleRequest, ...]:
         """``job``'s roles besides its workers, in order (see module contract); () for none."""
@@ -133,6 +162,9 @@ def _alt(shape: WorkerShape) -> Alternative:
 def alternatives(job: QueuedJob, cluster: Cluster) -> tuple[tuple[Alternative, ...], ...]:
     """Tiers of ways to run ``job``: the first tier with a placement wins (see module contract)."""
     shape = job.shape
+    if shape.accelerator == "any":
+        types = [shape.gpu_type] if shape.gpu_type is not None else (cluster.gpu_types or [None])
+        return (tuple(_alt(replace(shape, gpu=max(1, shape.gpu), gpu_type=t)) for t in types),)
     wants_gpu = shape.gpu > 0 or shape.accelerator in ("required", "prefer")
     tiers: list[tuple[Alternative, ...]] = []
     if wants_gpu:

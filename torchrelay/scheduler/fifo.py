@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from torchrelay.scheduler.cluster import Cluster, alternatives, job_problem, usage
-from torchrelay.scheduler.placement import feasible, place_best, use_of
+from torchrelay.scheduler.placement import feasible, on_cpu, place_best, use_of
 from torchrelay.scheduler.types import Decisions, Placement, SchedulerInput
 
 
@@ -19,7 +19,7 @@ def schedule_fifo(inp: SchedulerInput) -> Decisions:
     cluster = Cluster(inp.nodes)
     free = cluster.total.copy()
     for alloc in inp.running:
-        for shape, placement in ((alloc.shape, alloc.placement), *((s, p) for _, s, p in alloc.roles)):
+        for shape, placement in alloc.parts():
             for node_id, workers in placement:
                 if node_id in cluster.index:
                     free[cluster.index[node_id]] -= usage(shape, workers)
@@ -43,11 +43,11 @@ def schedule_fifo(inp: SchedulerInput) -> Decisions:
             waiting[job.job_id] = "resources: the gang does not fit the free resources"
             blocked = True
             continue
-        nodes, use = use_of(choice)
+        nodes, use = use_of(choice, cluster)
         np.subtract.at(free, nodes, use)
         ids = cluster.ids
         roles = tuple((name, alt.shape, tuple((ids[i], w) for i, w in placement))
                       for name, alt, placement in choice.roles)
         placements.append(Placement(job.job_id, tuple((ids[i], w) for i, w in choice.placement),
-                                    choice.alt.shape, roles))
+                                    choice.alt.shape, roles, tuple(ids[i] for i in on_cpu(cluster, choice))))
     return Decisions(placements=tuple(placements), waiting=waiting, order=tuple(j.job_id for j in order))

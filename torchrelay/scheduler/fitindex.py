@@ -3,7 +3,7 @@
 Contract:
 - ``FitIndex(cluster, avail, allowed)`` watches ``avail`` (N×3: the caller's own array, which it
   changes in place and then reports with ``touch(nodes)``) on the nodes in ``allowed``.
-- ``caps(alt, labels)``: per node, exactly ``placement.capacity(avail, alt.need, mask)`` with
+- ``caps(alt, labels)``: per node, exactly ``placement.capacity(avail, cluster.need_rows(alt), mask)`` with
   ``mask = cluster.eligible(alt, labels) & allowed``, as of the last ``touch``. The array is the
   index's own: callers copy it before changing it.
 - ``fits(tiers, job)``: exactly ``placement.feasible(cluster, tiers, job, avail, allowed)``, in a
@@ -50,7 +50,7 @@ class _Pair:
 
     __slots__ = ("need", "mask", "cap", "total", "at_least", "seen", "top")
 
-    def __init__(self, need: tuple[float, float, float], mask: np.ndarray, avail: np.ndarray, seen: int) -> None:
+    def __init__(self, need: tuple[float, float, float] | np.ndarray, mask: np.ndarray, avail: np.ndarray, seen: int) -> None:
         self.need = need
         self.mask = mask
         self.cap = capacity(avail, need, mask)
@@ -59,6 +59,11 @@ class _Pair:
         self.seen = seen
         # at least the largest capacity; computed on first use (only jobs with roles ask)
         self.top: int | None = None
+
+    def need_at(self, node: int) -> tuple[float, float, float]:
+        """What one worker takes on ``node`` (a mixed alternative's need differs per node)."""
+        need = self.need
+        return need if isinstance(need, tuple) else tuple(need[node].tolist())
 
     def count_at_least(self, per_node: int) -> int:
         found = self.at_least.get(per_node)
@@ -75,7 +80,7 @@ class _Pair:
     def update(self, node: int, row: list[float]) -> None:
         if not self.mask[node]:
             return
-        old, new = int(self.cap[node]), node_capacity(row, self.need)
+        old, new = int(self.cap[node]), node_capacity(row, self.need_at(node))
         if old == new:
             return
         self.cap[node] = new
@@ -106,7 +111,7 @@ class FitIndex:
         touched = self._touched
         if pair is None:
             mask = self.cluster.eligible(alt, labels) & self.allowed
-            pair = self._pairs[key] = _Pair(alt.need, mask, self.avail, len(touched))
+            pair = self._pairs[key] = _Pair(self.cluster.need_rows(alt), mask, self.avail, len(touched))
         elif pair.seen < len(touched):
             pending = touched[pair.seen:]
             if len(pending) > _REBUILD:
@@ -131,7 +136,7 @@ class FitIndex:
                     if override:
                         for node, row in override.items():
                             if pair.mask[node]:
-                                old, new = int(pair.cap[node]), node_capacity(row, alt.need)
+                                old, new = int(pair.cap[node]), node_capacity(row, pair.need_at(node))
                                 count += (new >= per_node) - (old >= per_node)
                     if count >= (job.nodes or 1):
                         return True
@@ -140,7 +145,7 @@ class FitIndex:
                     if override:
                         for node, row in override.items():
                             if pair.mask[node]:
-                                total += node_capacity(row, alt.need) - int(pair.cap[node])
+                                total += node_capacity(row, pair.need_at(node)) - int(pair.cap[node])
                     if total >= job.workers:
                         return True
         return False
@@ -184,7 +189,7 @@ class FitIndex:
         total, top = pair.total, pair.top
         for node, row in (override or {}).items():
             if pair.mask[node]:
-                new = node_capacity(row, alt.need)
+                new = node_capacity(row, pair.need_at(node))
                 total += new - int(pair.cap[node])
                 top = max(top, new)
         return total - taken * top
@@ -198,5 +203,5 @@ class FitIndex:
         cap = pair.cap.copy()
         for node, row in override.items():
             if pair.mask[node]:
-                cap[node] = node_capacity(row, alt.need)
+                cap[node] = node_capacity(row, pair.need_at(node))
         return cap

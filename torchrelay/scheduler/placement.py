@@ -2,7 +2,8 @@
 
 Contract:
 - ``capacity(avail, need, mask)``: how many more workers of per-worker ``need`` each node can
-  take (0 off ``mask``).
+  take (0 off ``mask``); ``need`` is one row for every node, or N×3 (one per node: a mixed
+  alternative, ``Cluster.need_rows``), and so is every ``need`` below.
 - ``place(cluster, alt, job, avail, mask)``: all of the job's workers, or None. Never exceeds
   ``avail`` on any node. With ``workers_per_node`` it picks exactly ``nodes`` nodes; otherwise
   it spreads ``workers`` freely. Among placements it prefers, in this order:
@@ -44,9 +45,17 @@ class Choice:
     roles: tuple[tuple[str, Alternative, tuple[tuple[int, int], ...]], ...] = ()
 
 
-def capacity(avail: np.ndarray, need: tuple[float, float, float], mask: np.ndarray) -> np.ndarray:
+def capacity(avail: np.ndarray, need, mask: np.ndarray) -> np.ndarray:
     """Workers of ``need`` each node can still take; 0 where ``mask`` is False."""
     cap = np.full(avail.shape[0], _UNBOUNDED, dtype=np.int64)
+    if isinstance(need, np.ndarray):  # per node
+        for dim in range(3):
+            takes = need[:, dim] > 0
+            fit = np.floor((avail[takes, dim] + _EPS) / need[takes, dim]).astype(np.int64)
+            cap[takes] = np.minimum(cap[takes], fit)
+        cap[~mask] = 0
+        np.maximum(cap, 0, out=cap)
+        return cap
     for dim in range(3):
         if need[dim] > 0:
             np.minimum(cap, np.floor((avail[:, dim] + _EPS) / need[dim]).astype(np.int64), out=cap)
@@ -58,6 +67,10 @@ def capacity(avail: np.ndarray, need: tuple[float, float, float], mask: np.ndarr
 def _scores(cluster: Cluster, avail: np.ndarray, need: np.ndarray, nodes: np.ndarray,
             workers: np.ndarray | int) -> np.ndarray:
     """Fragmentation score of putting ``workers`` on each of ``nodes`` (lower is better)."""
+    if need.ndim == 2:  # per node (mixed devices): never a GPU-node penalty, its GPU ranks use them
+        taken = need[nodes] * (workers[:, None] if isinstance(workers, np.ndarray) else workers)
+        left = np.maximum(avail[nodes] - taken, 0.0) * cluster.inv_total[nodes]
+        return left.sum(axis=1)
     # in place on one temporary: this runs once or twice per placement over many nodes
     left = avail[nodes] - (np.multiply.outer(workers, need) if isinstance(workers, np.ndarray) else workers * need)
     np.maximum(left, 0.0, out=left)
@@ -75,9 +88,9 @@ def _best(nodes: np.ndarray, scores: np.ndarray) -> int:
 def place(cluster: Cluster, alt: Alternative, job: QueuedJob, avail: np.ndarray,
           mask: np.ndarray | None, cap: np.ndarray | None = None) -> tuple[tuple[tuple[int, int], ...], float] | None:
     """(placement, score) for all of ``job``'s workers as ``alt``, or None (see module contract).
-    ``cap``, when given, is ``capacity(avail, alt.need, mask)`` already known (it is not changed)."""
-    need = np.asarray(alt.need, dtype=np.float64)
-    cap = capacity(avail, alt.need, mask) if cap is None else cap.copy()
+    ``cap``, when given, is ``capacity(avail, cluster.need_rows(alt), mask)`` already known (it is not changed)."""
+    need = np.asarray(cluster.need_rows(alt), dtype=np.float64)
+    cap = capacity(avail, cluster.need_rows(alt), mask) if cap is None else cap.copy()
     if job.workers_per_node:
         per_node, count = job.workers_per_node, job.nodes or 1
         cand = np.flatnonzero(cap >= per_node)
@@ -147,7 +160,7 @@ def feasible(cluster: Cluster, tiers: tuple[tuple[Alternative, ...], ...], job: 
         return gang_fits(cluster, tiers, job, avail, ready)
     for tier in tiers:
         for alt in tier:
-            cap = capacity(avail, alt.need, cluster.eligible(alt, job.labels) & ready)
+            cap = capacity(avail, cluster.need_rows(alt), cluster.eligible(alt, job.labels) & ready)
             if job.workers_per_node:
                 if int(np.count_nonzero(cap >= job.workers_per_node)) >= (job.nodes or 1):
                     return True
@@ -201,7 +214,7 @@ def _place_roles(cluster: Cluster, roles: tuple[RoleRequest, ...], avail: np.nda
     left = avail.copy()
     # with an index: the rows where what is left departs from the index's own view
     rows = dict(override) if (index is not None and override) else {}
-    _take(left, alt, placement, rows if index is not None else None)
+    _take(cluster, left, alt, placement, rows if index is not None else None)
     placed = []
     last = len(roles) - 1
     for position, role in enumerate(roles):
@@ -217,18 +230,26 @@ def _place_roles(cluster: Cluster, roles: tuple[RoleRequest, ...], avail: np.nda
             choice = place_best(cluster, role.tiers, role.probe, left, ready)
         if choice is None:
             return None
-        _take(left, choice.alt, choice.placement, rows if index is not None else None)
+        _take(cluster, left, choice.alt, choice.placement, rows if index is not None else None)
         placed.append((role.name, choice.alt, choice.placement))
     return tuple(placed)
 
 
-def _take(left: np.ndarray, alt: Alternative, placement: tuple[tuple[int, int], ...],
+def _take(cluster: Cluster, left: np.ndarray, alt: Alternative, placement: tuple[tuple[int, int], ...],
           rows: dict[int, list[float]] | None) -> None:
     """Take ``placement`` off ``left`` (and note the changed rows in ``rows``, when given)."""
+    need = cluster.need_rows(alt)
     for node, count in placement:
-        left[node] -= np.multiply(count, alt.need)
+        left[node] -= np.multiply(count, need[node] if alt.mixed else need)
         if rows is not None:
             rows[node] = left[node].tolist()
+
+
+def on_cpu(cluster: Cluster, choice: Choice) -> tuple[int, ...]:
+    """The node indices of ``choice``'s workers that take no GPU (a mixed choice's CPU nodes)."""
+    if not choice.alt.mixed:
+        return ()
+    return tuple(i for i, _ in choice.placement if not cluster.has_gpu[i])
 
 
 def nodes_of(choice: Choice) -> list[int]:
@@ -238,12 +259,15 @@ def nodes_of(choice: Choice) -> list[int]:
     return sorted({i for i, _ in choice.placement} | {i for _, _, p in choice.roles for i, _ in p})
 
 
-def use_of(choice: Choice) -> tuple[np.ndarray, np.ndarray]:
+def use_of(choice: Choice, cluster: Cluster | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(node indices, per-node [cpus, gpus, memory]) that ``choice`` takes, workers and roles;
-    each node once."""
+    each node once; a mixed choice needs ``cluster`` (its per-node needs)."""
     nodes = np.array([i for i, _ in choice.placement], dtype=np.int64)
     workers = np.array([w for _, w in choice.placement], dtype=np.float64)
-    use = np.multiply.outer(workers, np.asarray(choice.alt.need, dtype=np.float64))
+    if choice.alt.mixed:
+        use = workers[:, None] * cluster.need_rows(choice.alt)[nodes]
+    else:
+        use = np.multiply.outer(workers, np.asarray(choice.alt.need, dtype=np.float64))
     if not choice.roles:
         return nodes, use
     rows: dict[int, np.ndarray] = dict(zip(nodes.tolist(), use))

@@ -51,7 +51,7 @@ from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, ga
                                           runtime_problem, usage, without_roles)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
-from torchrelay.scheduler.placement import Choice, feasible, nodes_of, place_best, use_of
+from torchrelay.scheduler.placement import Choice, feasible, nodes_of, on_cpu, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.types import Allocation, Decisions, Placement, QueuedJob, SchedulerInput
 from torchrelay.spec import format_memory
@@ -122,7 +122,9 @@ class _Kind:
 
     @property
     def demands(self) -> list[list[np.ndarray]]:
-        """Per alternative, what the whole job takes, its roles included (for quotas)."""
+        """Per alternative, what the whole job takes, its roles included (for quotas); a
+        mixed-device job at most (as if every worker were a GPU rank), as where it runs is
+        decided after the quota check."""
         if self._demands is None:
             roles = np.zeros(3)
             for role in self.cluster.roles_of(self.job):
@@ -148,7 +150,7 @@ class _Cycle:
         rows_nodes, rows_use, spans = [], [], []
         add_node, add_use, node_of = rows_nodes.append, rows_use.append, index.get
         for alloc in allocs:
-            if alloc.roles:
+            if alloc.roles or alloc.on_cpu:
                 low = len(rows_nodes)
                 spans.append((low, low + _add_roles(alloc, node_of, add_node, add_use), _total(alloc)))
                 continue
@@ -292,16 +294,13 @@ class _Cycle:
         return tuple(kept), first_problem
 
     def commit(self, job: QueuedJob, choice: Choice, *, limits_extra: bool, consume: bool = True) -> Holding:
-        nodes, use = use_of(choice)
+        nodes, use = use_of(choice, self.cluster)
         if consume:
             np.subtract.at(self.free, nodes, use)
             self.free_index.touch(nodes)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
-        used = usage(choice.alt.shape, job.workers)
-        for _, alt, placement in choice.roles:
-            used += usage(alt.shape, sum(count for _, count in placement))
-        total = tuple(used.tolist())
+        total = tuple(use.sum(axis=0).tolist())  # workers and roles (per node for mixed devices)
         end = self.now + job.max_runtime_s if job.max_runtime_s is not None else math.inf
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
@@ -445,7 +444,7 @@ class _Cycle:
         # The job starts in a later cycle, once the victims have stopped; their resources are
         # still in use meanwhile, so what they free beyond the job's share is not handed out in
         # this cycle either (which also keeps ``free`` shrinking, as the memo assumes).
-        nodes, use = use_of(choice)
+        nodes, use = use_of(choice, self.cluster)
         after = self.free + released
         np.subtract.at(after, nodes, use)
         np.minimum(self.free, after, out=self.free)
@@ -461,7 +460,8 @@ class _Cycle:
             return tuple((ids[i], w) for i, w in sorted(placement, key=lambda p: (-p[1], ids[p[0]])))
 
         roles = tuple((name, alt.shape, named(placement)) for name, alt, placement in choice.roles)
-        return Placement(job.job_id, named(choice.placement), choice.alt.shape, roles)
+        cpu_nodes = tuple(ids[i] for i in sorted(on_cpu(self.cluster, choice), key=lambda i: ids[i]))
+        return Placement(job.job_id, named(choice.placement), choice.alt.shape, roles, cpu_nodes)
 
     def estimates(self) -> dict[str, float]:
         limit = self.inp.estimate_limit
@@ -502,15 +502,16 @@ def _describe(job: QueuedJob) -> str:
 def _describe_shape(shape) -> str:
     parts = [f"{shape.cpu:g} cpu"]
     if shape.gpu or shape.accelerator != "none":
-        parts.append(f"{max(shape.gpu, 1)} gpu" + (f" ({shape.gpu_type})" if shape.gpu_type else ""))
+        parts.append(f"{max(shape.gpu, 1)} gpu" + (f" ({shape.gpu_type})" if shape.gpu_type else "")
+                     + (" on GPU nodes" if shape.accelerator == "any" else ""))
     if shape.memory:
         parts.append(f"{format_memory(shape.memory)} memory")
     return ", ".join(parts)
 
 
 def _role_parts(alloc: Allocation):
-    """(shape, placement) of the workers and of each role of ``alloc``."""
-    return ((alloc.shape, alloc.placement), *((shape, placement) for _, shape, placement in alloc.roles))
+    """(shape, placement) of the workers (GPU and CPU ones apart) and of each role of ``alloc``."""
+    return alloc.parts()
 
 
 def _add_roles(alloc: Allocation, node_of, add_node, add_use) -> int:

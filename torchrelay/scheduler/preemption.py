@@ -86,7 +86,7 @@ class VictimPool:
                 break
         if choice is None:
             return None
-        nodes, use = use_of(choice)
+        nodes, use = use_of(choice, cluster)
         deficit = {int(n): np.maximum(u - free[n], 0.0) for n, u in zip(nodes, use)}
         victims: list[Holding] = []
         taken: set[str] = set()

@@ -101,7 +101,8 @@ def simulate(nodes: tuple[NodeView, ...], trace: list[TraceJob],
                 job = queue.pop(placement.job_id)
                 alloc = Allocation(job.job_id, job.user, job.priority, placement.shape, placement.placement,
                                    preemptible=job.preemptible, started_at=now,
-                                   max_runtime_s=job.max_runtime_s, roles=placement.roles)
+                                   max_runtime_s=job.max_runtime_s, roles=placement.roles,
+                                   on_cpu=placement.on_cpu)
                 running[job.job_id] = alloc
                 result.start.setdefault(job.job_id, now)
                 tok = f"{job.job_id}@{now}"
@@ -118,8 +119,8 @@ def simulate(nodes: tuple[NodeView, ...], trace: list[TraceJob],
 
 
 def _parts(alloc: Allocation):
-    """(shape, placement) of the workers and of each role of ``alloc``."""
-    return ((alloc.shape, alloc.placement), *((shape, placement) for _, shape, placement in alloc.roles))
+    """(shape, placement) of the workers (GPU and CPU ones apart) and of each role of ``alloc``."""
+    return alloc.parts()
 
 
 def _add_busy(busy: list[float], alloc: Allocation, now: float) -> None:

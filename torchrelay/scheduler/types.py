@@ -10,6 +10,12 @@ servers need cpu and memory, no gpu). ``workers`` and ``shape`` always mean the 
 role's processes are placed like workers (same nodes' labels, readiness, no over-commit),
 spread freely over nodes, all or nothing together with the workers. Empty (the default): the
 job is one shape, exactly as before.
+
+Mixed devices: a job whose shape has accelerator "any" runs its workers on GPU nodes (each
+taking ``gpu`` GPUs, a GPU rank) and on nodes without GPUs (taking none, a CPU rank) in one
+gang. Its granted ``shape`` is the GPU one; ``Placement.on_cpu`` / ``Allocation.on_cpu`` name
+the nodes of ``placement`` whose workers take no GPU, and ``shape_on(shape, on_cpu)`` is the
+shape a worker there is granted. ``parts()`` lists (shape, placement) per kind of process.
 """
 from __future__ import annotations
 
@@ -26,7 +32,28 @@ class WorkerShape:
     gpu: int = 0
     memory: int = 0
     gpu_type: str | None = None
-    accelerator: str = "none"
+    accelerator: str = "none"  # or "any": gpu GPUs on GPU nodes, none elsewhere (module docstring)
+
+
+def shape_on(shape: WorkerShape, on_cpu: bool) -> WorkerShape:
+    """What a worker of granted ``shape`` takes on a node: a mixed-device worker on a node
+    without GPUs takes no GPU (see the module docstring); otherwise ``shape`` itself."""
+    if on_cpu and shape.accelerator == "any":
+        return WorkerShape(cpu=shape.cpu, gpu=0, memory=shape.memory, gpu_type=None, accelerator="any")
+    return shape
+
+
+def split_parts(shape: WorkerShape, placement: tuple[tuple[str, int], ...], on_cpu: tuple[str, ...],
+                roles: tuple[RolePlacement, ...]) -> tuple[tuple[WorkerShape, tuple[tuple[str, int], ...]], ...]:
+    """(shape, ((node_id, processes), ...)) of the workers (split into GPU and CPU ones when
+    ``on_cpu`` names nodes) and of each role."""
+    if on_cpu:
+        cpu_nodes = set(on_cpu)
+        workers = ((shape, tuple(p for p in placement if p[0] not in cpu_nodes)),
+                   (shape_on(shape, True), tuple(p for p in placement if p[0] in cpu_nodes)))
+    else:
+        workers = ((shape, placement),)
+    return workers + tuple((role_shape, where) for _, role_shape, where in roles)
 
 
 # (role name, granted shape, ((node_id, processes), ...)): where one role of a job runs
@@ -61,6 +88,11 @@ class Allocation:
     preempting: bool = False
     # the job's other roles (see the module docstring): they hold resources as its workers do
     roles: tuple[RolePlacement, ...] = ()
+    # nodes of ``placement`` whose workers take no GPU (mixed devices; see the module docstring)
+    on_cpu: tuple[str, ...] = ()
+
+    def parts(self) -> tuple[tuple[WorkerShape, tuple[tuple[str, int], ...]], ...]:
+        return split_parts(self.shape, self.placement, self.on_cpu, self.roles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +138,15 @@ class Placement:
     shape: WorkerShape  # the shape actually granted (differs for accelerator="prefer" on cpu)
     # each of the job's roles, in ``QueuedJob.roles`` order; each role's nodes most processes first
     roles: tuple[RolePlacement, ...] = ()
+    # nodes of ``placement`` whose workers take no GPU (mixed devices; see the module docstring)
+    on_cpu: tuple[str, ...] = ()
+
+    def parts(self) -> tuple[tuple[WorkerShape, tuple[tuple[str, int], ...]], ...]:
+        return split_parts(self.shape, self.placement, self.on_cpu, self.roles)
+
+    def shape_on(self, node_id: str) -> WorkerShape:
+        """The shape a worker of this placement is granted on ``node_id``."""
+        return shape_on(self.shape, node_id in self.on_cpu)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,8 @@ def plan_launches(job_id: str, attempt: int, placement: policy.Placement, layout
     """The launches of a placement: the workers' first, then each role's, one per node, so that
     ranks follow ``node_rank`` and match ``layout``; a node with workers and servers runs two
     launches. Raises ``ValueError`` when the placement does not hold the layout's world."""
-    where = [(placement.shape, node_id, nproc) for node_id, nproc in placement.placement]
+    # a mixed-device job's workers on a node without GPUs are granted none (``Placement.on_cpu``)
+    where = [(placement.shape_on(node_id), node_id, nproc) for node_id, nproc in placement.placement]
     where += [(shape, node_id, nproc) for _, shape, nodes in placement.roles for node_id, nproc in nodes]
     world = sum(nproc for _, _, nproc in where)
     workers = sum(nproc for _, nproc in placement.placement)
@@ -68,7 +69,8 @@ class WorkerEnvironment:
     RELAY_STRATEGY and RELAY_CHECKPOINT (JSON), RELAY_JOB_NAME, RELAY_WORKERS (the layout's
     worker ranks), RELAY_ACCELERATOR (``gpu`` or ``cpu``: what was granted, which for
     accelerator "prefer" may be CPUs although GPUs were asked for), RELAY_GPUS_PER_WORKER and,
-    with GPUs, RELAY_GPU_TYPE (the node's)."""
+    with GPUs, RELAY_GPU_TYPE (the node's); RELAY_MIXED_DEVICES=1 for a job of accelerator "any"
+    (its ranks may run on different devices: every rank builds a gloo group)."""
 
     job_name: str
     layout: RankLayout
@@ -77,12 +79,14 @@ class WorkerEnvironment:
     user_env: Mapping[str, str]
     gpus_per_worker: int = 0
     gpu_type: str | None = None
+    mixed_devices: bool = False
 
     @classmethod
     def of_spec(cls, spec: JobSpec) -> WorkerEnvironment:
         """The environment of ``spec``'s launches before accelerators are granted."""
         return cls(job_name=spec.name, layout=RankLayout.of_spec(spec), strategy=spec.strategy,
-                   checkpoint=spec.checkpoint, user_env=spec.env)
+                   checkpoint=spec.checkpoint, user_env=spec.env,
+                   mixed_devices=spec.resources.accelerator_mode == "any")
 
     def granted(self, gpus_per_worker: int, node_gpu_type: str | None) -> WorkerEnvironment:
         return dataclasses.replace(self, gpus_per_worker=gpus_per_worker,
@@ -99,6 +103,8 @@ class WorkerEnvironment:
         env["RELAY_CHECKPOINT"] = json.dumps(self.checkpoint.model_dump(mode="json", by_alias=True))
         env["RELAY_JOB_NAME"] = self.job_name
         env["RELAY_WORKERS"] = str(self.layout.workers)
+        if self.mixed_devices:
+            env["RELAY_MIXED_DEVICES"] = "1"
         return env
 
     def variables(self, job_variables: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -76,11 +76,20 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
         server_gpu_type = (spec.strategy.server_resources.gpu_type
                            if isinstance(spec.strategy, ParameterServerStrategy) else None)
         roles = (("server", _granted(servers[0], server_gpu_type), tuple((x.node_id, x.nproc) for x in servers)),)
+    shape, on_cpu = _granted((workers or list(live))[0], spec.resources.gpu_type), ()
+    if spec.resources.accelerator_mode == "any":
+        shape, on_cpu = _mixed(spec.resources, workers)
     return policy.Allocation(
-        job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority,
-        shape=_granted((workers or list(live))[0], spec.resources.gpu_type),
+        job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, shape=shape, on_cpu=on_cpu,
         placement=tuple((x.node_id, x.nproc) for x in workers), preemptible=spec.preemptible,
         started_at=started_at, max_runtime_s=spec.max_runtime_s, preempting=preempting, roles=roles)
+
+
+def _mixed(res: Resources, workers: Sequence[LiveLaunch]) -> tuple[policy.WorkerShape, tuple[str, ...]]:
+    """A mixed-device job's granted shape (its GPU ranks') and the nodes whose workers took no GPU."""
+    gpus = max([x.gpu for x in workers if x.gpu] or [max(1, res.gpu)])
+    shape = policy.WorkerShape(cpu=res.cpu, gpu=gpus, memory=res.memory, gpu_type=res.gpu_type, accelerator="any")
+    return shape, tuple(x.node_id for x in workers if not x.gpu)
 
 
 def placement_summary(placement: policy.Placement, spec: JobSpec, names: Mapping[str, str],
@@ -93,6 +102,8 @@ def placement_summary(placement: policy.Placement, spec: JobSpec, names: Mapping
         text += f" ({granted.gpu} {'/'.join(kinds)} per worker)"
     elif spec.resources.accelerator_mode == "prefer":
         text += " (on CPUs: the gang did not fit on accelerators)"
+    if placement.on_cpu:
+        text += "; CPU ranks on " + ", ".join(names[n] for n in placement.on_cpu)
     for role, _, where in placement.roles:
         text += f"; {role}s on " + ", ".join(f"{names[n]}×{k}" for n, k in where)
     return text

@@ -83,7 +83,8 @@ def _join_process_group(ctx: Context, backend: str | None, timeout_s: float | No
                         parameter_server: bool) -> None:
     """Pick ``ctx``'s device and backend and, under torchrun's rendezvous, build the default group."""
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    chosen_backend, device = choose_backend(backend, cuda_devices, ctx.local_rank, parameter_server=parameter_server)
+    chosen_backend, device = choose_backend(backend, cuda_devices, ctx.local_rank, parameter_server=parameter_server,
+                                            mixed_devices=os.environ.get("RELAY_MIXED_DEVICES") == "1")
     ctx.device = torch.device(device)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)

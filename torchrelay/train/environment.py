@@ -126,20 +126,27 @@ def context_from_env(env: Mapping[str, str]) -> Context:
 
 
 def choose_backend(requested: str | None, cuda_devices: int, local_rank: int,
-                   parameter_server: bool = False) -> tuple[str, str]:
+                   parameter_server: bool = False, mixed_devices: bool = False) -> tuple[str, str]:
     """(backend, device string) for a worker. Pure. Raises ``InvalidSpec`` for an unusable request.
 
     Under ``parameter_server`` the job's process group is gloo on every rank by default: its
     servers run on CPUs (often on CPU nodes, with their own resources) and every rank must
     build the same backend; gradients and parameters travel over the parameter server's own
-    transport, not the group. A worker with a GPU still trains on it."""
+    transport, not the group. A worker with a GPU still trains on it.
+
+    Under ``mixed_devices`` (a job of accelerator "any": ``RELAY_MIXED_DEVICES=1``) some ranks
+    have a GPU and some do not, so the group is gloo on every rank (nccl cannot reach a CPU
+    rank) and each rank trains on its own device: ``cuda:<local_rank>`` when it sees one."""
     if requested is not None and requested not in ("gloo", "nccl", "mpi"):
         raise InvalidSpec(f"backend={requested!r} is not one of 'gloo', 'nccl', 'mpi'")
     on_gpu = cuda_devices > 0 and local_rank < cuda_devices
     if requested == "nccl" and not on_gpu:
         raise InvalidSpec(f"backend='nccl' needs a CUDA device for LOCAL_RANK={local_rank}, "
                           f"but {cuda_devices} are visible; use backend='gloo'")
-    if parameter_server and requested is None:
+    if mixed_devices and requested not in (None, "gloo"):
+        raise InvalidSpec(f"backend={requested!r} in a job of accelerator 'any': its CPU and GPU ranks share "
+                          f"one group, which only gloo can build; use backend='gloo' or leave it unset")
+    if (parameter_server or mixed_devices) and requested is None:
         return "gloo", (f"cuda:{local_rank}" if on_gpu else "cpu")
     backend = requested or ("nccl" if on_gpu else "gloo")
     device = f"cuda:{local_rank}" if on_gpu and backend == "nccl" else "cpu"
