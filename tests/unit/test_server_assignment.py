@@ -13,6 +13,7 @@ from torchrelay.spec import JobSpec
 CPU = policy.WorkerShape(cpu=1, gpu=0, memory=0, gpu_type=None, accelerator="none")
 GPU = policy.WorkerShape(cpu=1, gpu=1, memory=0, gpu_type="a100", accelerator="required")
 SERVER = policy.WorkerShape(cpu=2, gpu=0, memory=0, gpu_type=None, accelerator="none")
+MIXED = policy.WorkerShape(cpu=1, gpu=1, memory=0, gpu_type="a100", accelerator="any")
 
 
 def placement(workers, roles=(), shape=CPU):
@@ -113,7 +114,39 @@ def test_queued_job_is_the_specs_view():
     (placement([("a", 2)], shape=GPU), {"gpu": 1}, "A×2 (1 a100 per worker)"),
     (placement([("a", 2)]), {"accelerator": "prefer"}, "A×2 (on CPUs: the gang did not fit on accelerators)"),
     (placement([("a", 2)], [("server", SERVER, (("b", 1),))]), {}, "A×2; servers on B×1"),
+    (policy.Placement("job-1", (("a", 2), ("b", 1)), MIXED, on_cpu=("b",)), {"accelerator": "any"},
+     "A×2, B×1 (1 a100 per GPU rank); CPU ranks on B"),
+    (policy.Placement("job-1", (("b", 1),), MIXED, on_cpu=("b",)), {"accelerator": "any"}, "B×1; CPU ranks on B"),
 ])
 def test_placement_summary(place, resources, text):
     names, kinds = {"a": "A", "b": "B"}, {"a": "a100", "b": None}
     assert placement_summary(place, spec(resources=resources), names, kinds) == text
+
+
+# ---------------------------------------------------------------- mixed devices (accelerator "any")
+
+
+def test_a_mixed_placement_grants_gpus_only_on_its_gpu_nodes():
+    place = policy.Placement("job-4", (("g", 2), ("c", 1)), MIXED, on_cpu=("c",))
+    plans = plan_launches("job-4", 1, place, RankLayout(workers=3))
+    assert [(p.node_id, p.rank_offset, p.shape.gpu, p.shape.cpu) for p in plans] == [("g", 0, 1, 1), ("c", 2, 0, 1)]
+
+
+def test_a_mixed_allocation_is_rebuilt_from_its_launches():
+    job = spec(workers=3, resources={"accelerator": "any", "gpu_type": "a100"})
+    got = allocation(seq=4, spec=job, live=[live("g", 2, 0, gpu=1), live("c", 1, 2)], started_at=1.0, preempting=False)
+    assert got.placement == (("g", 2), ("c", 1)) and got.on_cpu == ("c",)
+    assert (got.shape.gpu, got.shape.gpu_type, got.shape.accelerator) == (1, "a100", "any")
+    assert [(shape.gpu, where) for shape, where in got.parts()] == [(1, (("g", 2),)), (0, (("c", 1),))]
+    # all on CPU nodes (no GPU was free of the right type): still a mixed job, holding no GPU
+    cpus_only = allocation(seq=4, spec=job, live=[live("c", 3, 0)], started_at=1.0, preempting=False)
+    assert cpus_only.on_cpu == ("c",) and sum(s.gpu * n for s, where in cpus_only.parts() for _, n in where) == 0
+
+
+def test_every_launch_of_a_mixed_job_is_told_so():
+    job = spec(workers=2, resources={"accelerator": "any"})
+    base = WorkerEnvironment.of_spec(job)
+    assert base.granted(1, "a100").variables()["RELAY_MIXED_DEVICES"] == "1"
+    assert base.granted(0, None).variables()["RELAY_MIXED_DEVICES"] == "1"
+    assert "RELAY_MIXED_DEVICES" not in WorkerEnvironment.of_spec(spec(workers=2)).variables()
+    assert queued_job(1, job).shape.accelerator == "any"

@@ -86,6 +86,21 @@ def test_choose_backend_for_a_parameter_server_job(requested, gpus, local_rank, 
     assert choose_backend(requested, gpus, local_rank, parameter_server=True) == expected
 
 
+@pytest.mark.parametrize("requested, gpus, local_rank, expected", [
+    (None, 0, 0, ("gloo", "cpu")),        # a CPU rank of a job of accelerator "any"
+    (None, 1, 0, ("gloo", "cuda:0")),     # its GPU rank: gloo like every rank, trains on its GPU
+    (None, 1, 1, ("gloo", "cpu")),
+    ("gloo", 2, 1, ("gloo", "cuda:1")),
+])
+def test_choose_backend_for_a_mixed_device_job(requested, gpus, local_rank, expected):
+    assert choose_backend(requested, gpus, local_rank, mixed_devices=True) == expected
+
+
+def test_a_mixed_device_job_cannot_ask_for_nccl():
+    with pytest.raises(InvalidSpec, match="backend='nccl' in a job of accelerator 'any'"):
+        choose_backend("nccl", 1, 0, mixed_devices=True)
+
+
 @pytest.mark.parametrize("requested, gpus, fragment", [
     ("nccl", 0, "backend='nccl' needs a CUDA device"),
     ("tcp", 0, "backend='tcp' is not one of"),

@@ -97,9 +97,10 @@ def placement_summary(placement: policy.Placement, spec: JobSpec, names: Mapping
     """Where a placement puts the job, e.g. ``a×2, b×2 (1 a100 per worker); servers on c×1``."""
     text = ", ".join(f"{names[n]}×{k}" for n, k in placement.placement)
     granted = placement.shape
-    if granted.gpu:
-        kinds = sorted({gpu_types.get(n) or "gpu" for n, _ in placement.placement})
-        text += f" ({granted.gpu} {'/'.join(kinds)} per worker)"
+    on_gpus = [n for n, _ in placement.placement if n not in placement.on_cpu]
+    if granted.gpu and on_gpus:
+        kinds = sorted({gpu_types.get(n) or "gpu" for n in on_gpus})
+        text += f" ({granted.gpu} {'/'.join(kinds)} per {'GPU rank' if placement.on_cpu else 'worker'})"
     elif spec.resources.accelerator_mode == "prefer":
         text += " (on CPUs: the gang did not fit on accelerators)"
     if placement.on_cpu:

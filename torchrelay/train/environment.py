@@ -146,7 +146,7 @@ def choose_backend(requested: str | None, cuda_devices: int, local_rank: int,
     if mixed_devices and requested not in (None, "gloo"):
         raise InvalidSpec(f"backend={requested!r} in a job of accelerator 'any': its CPU and GPU ranks share "
                           f"one group, which only gloo can build; use backend='gloo' or leave it unset")
-    if (parameter_server or mixed_devices) and requested is None:
+    if (parameter_server and requested is None) or mixed_devices:
         return "gloo", (f"cuda:{local_rank}" if on_gpu else "cpu")
     backend = requested or ("nccl" if on_gpu else "gloo")
     device = f"cuda:{local_rank}" if on_gpu and backend == "nccl" else "cpu"
