@@ -82,9 +82,12 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
 def _join_process_group(ctx: Context, backend: str | None, timeout_s: float | None, *,
                         parameter_server: bool) -> None:
     """Pick ``ctx``'s device and backend and, under torchrun's rendezvous, build the default group."""
+    mixed = os.environ.get("RELAY_MIXED_DEVICES") == "1"
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if mixed and os.environ.get("RELAY_ACCELERATOR") == "cpu":
+        cuda_devices = 0  # a CPU rank of a mixed job trains on what it was granted, whatever the node has
     chosen_backend, device = choose_backend(backend, cuda_devices, ctx.local_rank, parameter_server=parameter_server,
-                                            mixed_devices=os.environ.get("RELAY_MIXED_DEVICES") == "1")
+                                            mixed_devices=mixed)
     ctx.device = torch.device(device)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
