@@ -138,9 +138,11 @@ def job_st(draw, job_id: str, seq: int):
                         accelerator=accel)
     workers = draw(st.integers(1, 8))
     per_node = workers // 2 if workers % 2 == 0 and draw(st.booleans()) else None
+    # now and then a parameter-server-like role beside mixed workers: placed on what they leave
+    roles = (("server", draw(st.integers(1, 2)), WorkerShape(cpu=1)),) if draw(st.sampled_from([0, 0, 1])) else ()
     return QueuedJob(job_id, draw(st.sampled_from(["u0", "u1"])), draw(st.sampled_from([0, 1])), seq, workers,
                      shape, workers_per_node=per_node, nodes=2 if per_node else None,
-                     max_runtime_s=draw(st.sampled_from([None, 10.0])))
+                     max_runtime_s=draw(st.sampled_from([None, 10.0])), roles=roles)
 
 
 @st.composite
@@ -182,6 +184,7 @@ def test_mixed_jobs_never_overcommit_and_follow_the_per_node_rule(inp):
     for p in placements:
         job = queued[p.job_id]
         assert sum(w for _, w in p.placement) == job.workers
+        assert [(name, sum(n for _, n in where)) for name, _, where in p.roles] == [(n, c) for n, c, _ in job.roles]
         if job.shape.accelerator != "any":
             assert p.on_cpu == ()
             continue
@@ -227,3 +230,17 @@ def test_fit_index_scan_and_placement_agree_for_mixed_jobs(nodes, workers, gpu, 
         assert (avail[used_nodes] - use >= -1e-6).all()
         assert use[~cluster.has_gpu[used_nodes], 1].sum() == 0  # CPU ranks take no GPU
         assert (use[cluster.has_gpu[used_nodes], 1] > 0).all()  # a rank on a GPU node takes GPUs
+
+
+def test_a_mixed_job_with_a_server_role_places_both_and_holds_both_when_running():
+    servers = (("server", 1, WorkerShape(cpu=2)),)
+    d = decide(NODES, [job("j", 8, roles=servers)])
+    (p,) = d.placements
+    assert p.placement == (("c1", 4), ("h1", 4)) and p.on_cpu == ("c1",)
+    assert p.roles[0][2] == (("c2", 1),)  # the server on what the workers leave, a node without GPUs
+    held = Allocation("j", "alice", 0, p.shape, p.placement, roles=p.roles, on_cpu=p.on_cpu)
+    # g1 and what is left of c2 are free: 2 GPU workers fit on g1, nothing else on c1 or h1
+    d = decide(NODES, [job("k", 3, WorkerShape(cpu=1, gpu=1), seq=2)], [held])
+    assert d.waiting["k"].startswith(("gang", "resources"))
+    d = decide(NODES, [job("k", 2, WorkerShape(cpu=1, gpu=1), seq=2)], [held])
+    assert d.placements[0].placement == (("g1", 2),)
