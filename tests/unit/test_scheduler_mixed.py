@@ -244,3 +244,13 @@ def test_a_mixed_job_with_a_server_role_places_both_and_holds_both_when_running(
     assert d.waiting["k"].startswith(("gang", "resources"))
     d = decide(NODES, [job("k", 2, WorkerShape(cpu=1, gpu=1), seq=2)], [held])
     assert d.placements[0].placement == (("g1", 2),)
+
+
+def test_a_placed_mixed_job_is_charged_what_it_takes_roles_included_once():
+    # j takes 8 workers × 1 cpu + a 2-cpu server = 10 cpus; with a quota of 12 cpus, k (2 cpus) still fits
+    servers = (("server", 1, WorkerShape(cpu=2)),)
+    quota = [("alice", Quota(cpus=12))]
+    d = decide(NODES, [job("j", 8, roles=servers), job("k", 1, WorkerShape(cpu=2), seq=2)], quotas=quota)
+    assert {p.job_id for p in d.placements} == {"j", "k"}, d.waiting
+    d = decide(NODES, [job("j", 8, roles=servers), job("k", 1, WorkerShape(cpu=3), seq=2)], quotas=quota)
+    assert d.waiting["k"].startswith("quota")

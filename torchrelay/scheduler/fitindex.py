@@ -50,7 +50,8 @@ class _Pair:
 
     __slots__ = ("need", "mask", "cap", "total", "at_least", "seen", "top")
 
-    def __init__(self, need: tuple[float, float, float] | np.ndarray, mask: np.ndarray, avail: np.ndarray, seen: int) -> None:
+    def __init__(self, need: tuple[float, float, float] | np.ndarray, mask: np.ndarray, avail: np.ndarray,
+                 seen: int) -> None:
         self.need = need
         self.mask = mask
         self.cap = capacity(avail, need, mask)

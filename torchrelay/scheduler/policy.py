@@ -300,7 +300,13 @@ class _Cycle:
             self.free_index.touch(nodes)
         if limits_extra and self.reservation is not None:
             np.subtract.at(self.reservation.extra, nodes, use)
-        total = tuple(use.sum(axis=0).tolist())  # workers and roles (per node for mixed devices)
+        if choice.alt.mixed:  # what it takes depends on the nodes: exactly what was taken, roles too
+            used = use.sum(axis=0)
+        else:
+            used = usage(choice.alt.shape, job.workers)
+            for _, alt, placement in choice.roles:
+                used += usage(alt.shape, sum(count for _, count in placement))
+        total = tuple(used.tolist())
         end = self.now + job.max_runtime_s if job.max_runtime_s is not None else math.inf
         holding = Holding(job.job_id, job.user, job.priority, job.preemptible, False, self.now, end,
                           nodes, use, total, new=True)
