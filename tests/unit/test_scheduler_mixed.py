@@ -230,6 +230,15 @@ def test_fit_index_scan_and_placement_agree_for_mixed_jobs(nodes, workers, gpu, 
         assert (avail[used_nodes] - use >= -1e-6).all()
         assert use[~cluster.has_gpu[used_nodes], 1].sum() == 0  # CPU ranks take no GPU
         assert (use[cluster.has_gpu[used_nodes], 1] > 0).all()  # a rank on a GPU node takes GPUs
+    # a view that departs from the index on a few nodes (as the backfill view does): the same answers
+    override = {node: [max(0.0, avail[node, 0] - 1), avail[node, 1] // 2, avail[node, 2]]
+                for node, _, _ in taken[:2] if node < len(cluster)}
+    view = avail.copy()
+    for node, row in override.items():
+        view[node] = row
+    choice = place_best(cluster, tiers, job, view, cluster.ready)
+    assert index.fits(tiers, job, override or None) is (choice is not None)
+    assert place_best(cluster, tiers, job, view, cluster.ready, index, override or None) == choice
 
 
 def test_a_mixed_job_with_a_server_role_places_both_and_holds_both_when_running():
