@@ -221,6 +221,9 @@ class JobSpec(_Strict):
     executor: str = Field(default=DEFAULT_EXECUTOR, pattern=r"^[a-z][a-z0-9_-]*$", max_length=64,
                           description="what places the job: 'agents' (the server's own nodes) or the name of "
                           "an executor the server was started with, e.g. 'slurm'")
+    launcher: Literal["torchrun", "mpirun"] = Field(
+        default="torchrun", description="torchrun (a world of one: started directly), or mpirun: one Open MPI "
+        "world across the job's nodes (docs/mpi.md)")
 
     @field_validator("entrypoint")
     @classmethod

@@ -52,6 +52,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torchrelay.spec import JobState
 
 API_PREFIX = "/api/v1"
+# the node label of an agent that can run mpirun jobs (Open MPI found there); an mpirun job
+# asks for it, so the scheduler places it only on such nodes (docs/mpi.md)
+MPIRUN_LABEL = ("relay.mpirun", "yes")
 
 
 class _Model(BaseModel):
@@ -239,10 +242,13 @@ class LaunchReport(_Model):
 
 
 class LaunchStatus(_Model):
-    """Agent -> server: a launch's actual state. ``master_port`` is sent by node 0 once chosen."""
+    """Agent -> server: a launch's actual state. ``master_port`` is sent by node 0 once chosen;
+    ``mpi_daemons`` by node 0 of an mpirun job with its ``running``: node rank -> the command line
+    of the Open MPI daemon that node must run (docs/mpi.md)."""
 
     state: Literal["preparing", "running", "exited"]
     master_port: int | None = None
+    mpi_daemons: dict[int, str] = Field(default_factory=dict)
     ranks: list[RankExit] = Field(default_factory=list, description="set when exited")
     succeeded: bool | None = Field(default=None, description="set when exited")
     stopped: bool = Field(default=False, description="exited because the server asked it to stop")
@@ -263,6 +269,15 @@ class Heartbeat(_Model):
     statuses: list[LaunchStatusReport] = Field(
         default_factory=list, description="status changes not yet delivered, oldest first; applied in order before "
         "the reply is built; a status sent again is applied once")
+
+
+class MpiWorld(_Model):
+    """What the launches of an mpirun job learn of its one MPI world: ``slots`` (processes per
+    node, by node rank: node 0's mpirun lists the hosts with them) and, once node 0's mpirun
+    handed them over, ``daemons`` (node rank -> the Open MPI daemon command line to run there)."""
+
+    slots: list[int]
+    daemons: dict[int, str] = Field(default_factory=dict)
 
 
 class LaunchAssignment(_Model):
@@ -301,6 +316,8 @@ class LaunchAssignment(_Model):
     stop_grace_s: float = Field(default=30.0, description="SIGTERM, then SIGKILL after this long")
     cpu: float = Field(default=0.0, ge=0, description="cpus granted per worker (the launch's cgroup weight)")
     memory: int = Field(default=0, ge=0, description="bytes granted per worker (the launch's cgroup limit; 0: none)")
+    launcher: Literal["torchrun", "mpirun"] = "torchrun"
+    mpi: MpiWorld | None = Field(default=None, description="set for an mpirun job (``launcher``)")
 
 
 class HeartbeatReply(_Model):

@@ -10,6 +10,7 @@ from torchrelay import wire
 from torchrelay.agent import worker
 from torchrelay.agent.commands import build_torchrun_command, build_worker_env
 from torchrelay.agent.daemon import Agent
+from torchrelay.agent.resources import detect_launcher_labels
 from torchrelay.agent.exits import classify_exit, describe_rank, exit_message
 from torchrelay.agent.output import LineTailer, parse_metric_line
 from torchrelay.agent.resources import parse_nvidia_smi_list
@@ -354,7 +355,7 @@ def test_agent_registration_uses_given_or_detected_resources(tmp_path):
     try:
         reg = agent.registration()
         assert (reg.name, reg.address, reg.cpus, reg.gpus, reg.memory, reg.labels) == \
-            ("n1", "10.1.2.3", 3.0, 0, 2**30, {"zone": "a"})
+            ("n1", "10.1.2.3", 3.0, 0, 2**30, {"zone": "a", **detect_launcher_labels()})
         detected = Agent("http://127.0.0.1:1", name="n2", work_dir=tmp_path)
         assert detected.cpus >= 1 and detected.memory > 0 and detected.gpus >= 0
         detected.close()

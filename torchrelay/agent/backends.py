@@ -1,4 +1,4 @@
-"""How a launch's first process is started, watched and signalled: torchrun, direct, or zygote.
+"""How a launch's first process is started, watched and signalled: torchrun, direct, zygote (or MPI).
 
 ``launcher.Launch`` owns what every launch shares (its folders, output, exit classification and
 stop protocol) and leaves three hooks to a ``LaunchBackend``, the way torch.distributed.elastic's
@@ -21,6 +21,9 @@ Contract of the backends:
   (``zygote.Zygote``) when ``zygote.eligible`` allows and the zygote answers (``forked`` then),
   else started as ``DirectBackend`` starts it. A forked worker is reaped by the zygote, which
   reports its wait status.
+- ``MpirunBackend`` / ``MpiDaemonBackend`` (``torchrelay.agent.mpi`` has the pure parts): node 0 of an
+  mpirun job runs mpirun, every other node the Open MPI daemon mpirun handed over (docs/mpi.md);
+  both are ``CommandBackend``s, as torchrun is.
 
 Every backend starts its first process inside the launch's cgroup when the place has one
 (``LaunchPlace.cgroup``, see ``torchrelay.agent.cgroups``): a started process through
@@ -34,8 +37,10 @@ import enum
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +49,7 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar
 
 from torchrelay import wire
-from torchrelay.agent import worker
+from torchrelay.agent import mpi, worker
 from torchrelay.agent.cgroups import CgroupError, LaunchCgroup
 from torchrelay.agent.commands import build_rank_env, build_torchrun_command, direct_command
 from torchrelay.agent.processes import signal_group
@@ -58,6 +63,8 @@ class BackendKind(enum.Enum):
     TORCHRUN = "torchrun"
     DIRECT = "direct"
     ZYGOTE = "zygote"
+    MPIRUN = "mpirun"  # node 0 of an mpirun job (``torchrelay.agent.mpi`` has the pure parts)
+    MPI_DAEMON = "mpi_daemon"  # another node of it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,19 +129,20 @@ class LaunchBackend(abc.ABC):
         return None
 
 
-class TorchrunBackend(LaunchBackend):
-    kind = BackendKind.TORCHRUN
-    log_name = "torchrun.log"
-    first_process = "torchrun"
-    unstarted = "stopped before torchrun started"
+class CommandBackend(LaunchBackend):
+    """A first process that is one command line in a new session, its output in the backend's
+    log: torchrun, or an MPI job's mpirun or Open MPI daemon. Subclasses give ``command``."""
 
     def __init__(self, place: LaunchPlace):
         super().__init__(place)
         self._proc: subprocess.Popen | None = None
 
+    @abc.abstractmethod
+    def command(self, env: dict[str, str], master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
+        """The argv and the environment to start. Raises ``ValueError`` on a value it cannot use."""
+
     def start(self, env: dict[str, str], master_addr: str, master_port: int) -> None:
-        cmd = build_torchrun_command(self.place.assignment, master_addr=master_addr, master_port=master_port,
-                                     python=self.place.python)
+        cmd, env = self.command(env, master_addr, master_port)
         with open(self.log_path, "ab") as out:
             out.write(f"$ {shlex.join(cmd)}\n".encode())
             out.flush()
@@ -159,6 +167,88 @@ class TorchrunBackend(LaunchBackend):
     def signal(self, sig: int) -> None:
         if self.pid is not None:
             signal_group(self.pid, sig)
+
+
+class TorchrunBackend(CommandBackend):
+    kind = BackendKind.TORCHRUN
+    log_name = "torchrun.log"
+    first_process = "torchrun"
+    unstarted = "stopped before torchrun started"
+
+    def command(self, env: dict[str, str], master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
+        return build_torchrun_command(self.place.assignment, master_addr=master_addr, master_port=master_port,
+                                      python=self.place.python), env
+
+
+class _MpiBackend(CommandBackend):
+    """What both ends of an MPI world share: each node's ranks get the torch.distributed
+    variables of their node (``RANK`` etc. then set per rank by ``mpi_rank``), its first rank and
+    its code folder, and Open MPI's settings for running across agents."""
+
+    def __init__(self, place: LaunchPlace):
+        super().__init__(place)
+        self.session = mpi.session_dir(place.run_dir, tempfile.gettempdir())
+
+    def node_env(self, env: dict[str, str], master_addr: str, master_port: int) -> dict[str, str]:
+        assignment = self.place.assignment
+        os.makedirs(self.session, exist_ok=True)
+        out = {**mpi.mpirun_env(master_addr), **env}  # the job's env may override Open MPI's
+        out.update(mpi.node_env(master_addr, self.session, daemon=self.kind is BackendKind.MPI_DAEMON))
+        out.update(build_rank_env(assignment, master_addr=master_addr, master_port=master_port,
+                                  rank=assignment.rank_offset))
+        out[mpi.RANK_OFFSET_VAR] = str(assignment.rank_offset)
+        out[mpi.CODE_DIR_VAR] = str(self.place.code_dir.absolute())
+        return out
+
+    def poll(self) -> bool:
+        return self._ended(super().poll())
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._ended(super().wait(timeout))
+
+    def _ended(self, ended: bool) -> bool:
+        if ended:  # Open MPI leaves its session folder's top behind; nothing of it is needed now
+            shutil.rmtree(self.session, ignore_errors=True)
+        return ended
+
+
+class MpirunBackend(_MpiBackend):
+    """Node 0 of an mpirun job: ``mpirun`` over every node's slots, our remote shell handing each
+    other node's daemon to its agent (``torchrelay.agent.mpi``)."""
+
+    kind = BackendKind.MPIRUN
+    log_name = "mpirun.log"
+    first_process = "mpirun"
+    unstarted = "stopped before mpirun started"
+
+    def command(self, env: dict[str, str], master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
+        assignment = self.place.assignment
+        slots = assignment.mpi.slots if assignment.mpi is not None else [assignment.nproc_per_node]
+        if sum(slots) != assignment.world_size or len(slots) != assignment.nnodes:
+            raise ValueError(f"MPI slots {slots} do not make the assignment's world of {assignment.world_size} on "
+                             f"{assignment.nnodes} node(s)")
+        worker_argv = target_of_entrypoint(assignment.entrypoint, self.place.python).worker_argv()
+        argv = mpi.mpirun_command(slots=slots, python=self.place.python, worker_argv=worker_argv,
+                                  mpirun=env.get("RELAY_MPIRUN", "mpirun"), as_root=os.geteuid() == 0)
+        return argv, self.node_env(env, master_addr, master_port)
+
+
+class MpiDaemonBackend(_MpiBackend):
+    """Another node of an mpirun job: the Open MPI daemon node 0's mpirun handed over, run by
+    ``/bin/sh -c`` as sshd would run it; this node's ranks are its children."""
+
+    kind = BackendKind.MPI_DAEMON
+    log_name = "orted.log"
+    first_process = "the Open MPI daemon (orted)"
+    unstarted = "stopped before the Open MPI daemon started"
+
+    def command(self, env: dict[str, str], master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
+        assignment = self.place.assignment
+        daemon = (assignment.mpi.daemons.get(assignment.node_rank) if assignment.mpi is not None else None)
+        if not daemon:
+            raise ValueError(f"launch {assignment.launch_id}: node 0's mpirun has not handed over node "
+                             f"{assignment.node_rank}'s daemon yet")
+        return ["/bin/sh", "-c", daemon], self.node_env(env, master_addr, master_port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +390,10 @@ def make_backend(kind: BackendKind, place: LaunchPlace, zygote: Zygote | None = 
     """The backend of ``kind`` for ``place`` (``ZYGOTE`` needs ``zygote``). Raises ``ValueError``."""
     if kind is BackendKind.TORCHRUN:
         return TorchrunBackend(place)
+    if kind is BackendKind.MPIRUN:
+        return MpirunBackend(place)
+    if kind is BackendKind.MPI_DAEMON:
+        return MpiDaemonBackend(place)
     if kind is BackendKind.DIRECT:
         return DirectBackend(place)
     if zygote is None:

@@ -64,7 +64,7 @@ from torchrelay.agent.launcher import Launch
 from torchrelay.agent.outbox import Carrier, Entry, Outbox
 from torchrelay.agent.processes import kill_launch_processes
 from torchrelay.agent.reconcile import LaunchState, plan_reconcile
-from torchrelay.agent.resources import detect_cpus, detect_gpus, detect_memory
+from torchrelay.agent.resources import detect_cpus, detect_gpus, detect_launcher_labels, detect_memory
 from torchrelay.agent.runner import LaunchFactory, LaunchHandle, LaunchRunner, RunnerDeps
 from torchrelay.agent.server_link import HttpServerLink, NodeUnknown, ServerLink, ServerRefused, ServerUnreachable
 from torchrelay.agent.zygote import Zygote
@@ -109,7 +109,7 @@ class Agent:
         self.cgroup_parent = cgroup_parent
         self.cgroups: AgentCgroups | None = None  # created in run()
         self.work_dir = Path(work_dir)
-        self.labels = dict(labels or {})
+        self.labels = {**detect_launcher_labels(), **(labels or {})}  # --label relay.mpirun=no turns MPI off
         self.heartbeat_wait_s = heartbeat_wait_s
         self.ship_interval_s = ship_interval_s
         self.stop_grace_s = stop_grace_s

@@ -51,7 +51,10 @@ from torchrelay.agent.zygote import Zygote
 
 
 def default_backend_kind(assignment: wire.LaunchAssignment, zygote: Zygote | None) -> BackendKind:
-    """torchrun unless a world of one; then the zygote if there is one, else a direct start."""
+    """An mpirun job: mpirun on node 0, the daemon it hands over elsewhere. Else torchrun unless a
+    world of one; then the zygote if there is one, else a direct start."""
+    if assignment.launcher == "mpirun":
+        return BackendKind.MPIRUN if assignment.node_rank == 0 else BackendKind.MPI_DAEMON
     if not is_direct(assignment):
         return BackendKind.TORCHRUN
     return BackendKind.ZYGOTE if zygote is not None else BackendKind.DIRECT

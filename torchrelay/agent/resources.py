@@ -1,14 +1,17 @@
-"""What this node offers, as detected: CPUs, memory and GPUs (torch is never imported here).
+"""What this node offers, as detected: CPUs, memory, GPUs, launchers (torch is never imported here).
 
 Contract: ``detect_cpus`` (the affinity mask, else ``os.cpu_count()``), ``detect_memory``
-(``/proc/meminfo``; 0 if unreadable) and ``detect_gpus`` (``nvidia-smi -L``; ``(0, None)``
-without it) never raise; ``parse_nvidia_smi_list`` is pure.
+(``/proc/meminfo``; 0 if unreadable), ``detect_gpus`` (``nvidia-smi -L``; ``(0, None)``
+without it) and ``detect_launcher_labels`` (``wire.MPIRUN_LABEL`` when Open MPI's ``mpirun``
+and ``orted`` are on ``PATH``) never raise; ``parse_nvidia_smi_list`` is pure.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+
+from torchrelay.wire import MPIRUN_LABEL
 
 
 def detect_cpus() -> float:
@@ -56,3 +59,11 @@ def detect_gpus() -> tuple[int, str | None]:
     if out.returncode != 0:
         return 0, None
     return parse_nvidia_smi_list(out.stdout)
+
+
+def detect_launcher_labels(path: str | None = None) -> dict[str, str]:
+    """The labels of the launchers this node can run besides torchrun: ``wire.MPIRUN_LABEL``
+    when Open MPI's ``mpirun`` and ``orted`` (its daemon, what other nodes run) are on ``path``."""
+    if shutil.which("mpirun", path=path) and shutil.which("orted", path=path):
+        return dict([MPIRUN_LABEL])
+    return {}

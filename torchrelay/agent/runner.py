@@ -5,9 +5,12 @@ Contract:
   The thread reports each state change through ``deps.report`` (in order): ``preparing``; for
   node 0 of a multi-node or multi-worker launch ``preparing`` again with the master port it
   picked, before anything starts, so that the other nodes get it; ``running`` once the launch
-  started (node 0's carries the port again); ``exited`` with the launch's final status.
+  started (node 0's carries the port again, and for an mpirun job the daemon command line of
+  every other node, once its mpirun wrote them all: docs/mpi.md); ``exited`` with the launch's
+  final status.
 - Node 0 picks the rendezvous port on ``deps.host``; the other nodes wait for
-  ``master_addr``/``master_port`` in a later assignment (``update``). The code is prepared with
+  ``master_addr``/``master_port`` (and in an mpirun job their daemon) in a later assignment
+  (``update``). The code is prepared with
   ``deps.prepare_code``, tried again while the server cannot be reached (``ServerUnreachable``),
   until the launch is stopped; any other failure there ends the launch, reported.
 - A launch with GPUs takes ``RELAY_GPUS_PER_WORKER`` × workers device indices from
@@ -34,6 +37,7 @@ from torchrelay import wire
 from torchrelay.agent.commands import is_direct
 from torchrelay.agent.gpus import GpuShortage, GpuSlots, visible_devices
 from torchrelay.agent.launcher import pick_free_port
+from torchrelay.agent.mpi import read_handoffs
 from torchrelay.agent.outbox import Outbox
 from torchrelay.agent.reconcile import LaunchState
 from torchrelay.agent.server_link import ServerRefused, ServerUnreachable
@@ -156,10 +160,44 @@ class LaunchRunner:
             cuda_visible_devices=visible_devices(devices, self.deps.node_gpus))
         launch.start(master_addr, master_port)
         node0_port = master_port if assignment.node_rank == 0 else None
-        self.deps.report(self, wire.LaunchStatus(state="running", master_port=node0_port))
+        daemons, ended = self._mpi_handoffs(launch) if self._mpi_head else ({}, None)
+        if ended is not None:
+            self._flush_records()
+            return ended
+        self.deps.report(self, wire.LaunchStatus(state="running", master_port=node0_port, mpi_daemons=daemons))
         status = self._watch(launch)
         self._flush_records()  # its last lines go ahead of its end
         return status
+
+    @property
+    def _mpi_head(self) -> bool:
+        """Node 0 of an mpirun job across nodes: its mpirun hands the others their daemons."""
+        return self.assignment.launcher == "mpirun" and self.assignment.node_rank == 0 and self.assignment.nnodes > 1
+
+    def _mpi_handoffs(self, launch: LaunchHandle) -> tuple[dict[int, str], wire.LaunchStatus | None]:
+        """Node 0 of an mpirun job: the daemon command lines its mpirun wrote for every other
+        node (``torchrelay.agent.mpi``), once all are there; or the launch's final status if it
+        ended (or was stopped) first."""
+        wanted = set(range(1, self.assignment.nnodes))
+        while True:
+            daemons = read_handoffs(self.run_dir)
+            if wanted <= daemons.keys():
+                return daemons, None
+            status = launch.wait(timeout=WATCH_S)
+            if status is not None:
+                return {}, status
+            if self._stop_requested.is_set():
+                return {}, launch.stop(self.assignment.stop_grace_s)
+
+    def _peer_ready(self) -> bool:
+        """Whether a node other than 0 has what it needs from node 0: its address and port and,
+        in an mpirun job, the daemon node 0's mpirun handed over for it."""
+        assignment = self.assignment
+        if not (assignment.master_addr and assignment.master_port):
+            return False
+        if assignment.launcher != "mpirun":
+            return True
+        return assignment.mpi is not None and assignment.node_rank in assignment.mpi.daemons
 
     def _prepare_code(self, assignment: wire.LaunchAssignment) -> Path:
         """``deps.prepare_code``, tried again while the server cannot be reached (not on a
@@ -183,9 +221,7 @@ class LaunchRunner:
                 self.deps.report(self, wire.LaunchStatus(state="preparing", master_port=port))
             return self.deps.host, port
         with self._assignment_changed:
-            self._assignment_changed.wait_for(
-                lambda: self._stop_requested.is_set()
-                or (self.assignment.master_addr and self.assignment.master_port))
+            self._assignment_changed.wait_for(lambda: self._stop_requested.is_set() or self._peer_ready())
             return self.assignment.master_addr, self.assignment.master_port
 
     def _watch(self, launch: LaunchHandle) -> wire.LaunchStatus:

@@ -21,7 +21,8 @@ How, in two layers:
    ``sys.path[0]`` as ``python SCRIPT.py`` / ``python -m MODULE`` would set them). When the
    script returns (or raises ``SystemExit`` with 0/None) it records ``returned`` in the rank
    marker, then does what interpreter shutdown would do that users rely on: waits for
-   non-daemon threads, runs the atexit handlers, flushes stdio, ``gc.collect()`` (DDP's reducer
+   non-daemon threads, runs the atexit handlers (then ``MPI_Finalize`` if the script used
+   mpi4py: it is otherwise left to teardown), flushes stdio, ``gc.collect()`` (DDP's reducer
    sits in a reference cycle; collecting it while everything is still alive is what keeps
    gloo quiet), and ends with ``os._exit(0)``, so the teardown where gloo aborts never runs.
    If something still aborts during those steps, the supervisor sees a signal *after* the
@@ -277,6 +278,16 @@ def _user_traceback(exc: BaseException):
     return tb
 
 
+def _finalize_mpi() -> None:
+    """``MPI_Finalize`` for a script that used mpi4py and returned: mpi4py registers it where
+    only interpreter teardown runs it (``Py_AtExit``), which ``os._exit`` skips, and Open MPI
+    calls a rank that ends without it a failure and aborts the job. Not after a failure: it
+    can wait for ranks that will never come, and Open MPI ends the job on that exit anyway."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 def _finish(code: int, keep_alive: object = None) -> None:
     """Shutdown without interpreter teardown: threads, atexit, flush, gc, ``os._exit``.
 
@@ -287,6 +298,8 @@ def _finish(code: int, keep_alive: object = None) -> None:
         if shutdown_threads is not None:  # waits for non-daemon threads, as Py_Finalize does
             shutdown_threads()
         atexit._run_exitfuncs()
+        if code == 0:
+            _finalize_mpi()
     finally:
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             try:

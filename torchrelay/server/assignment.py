@@ -21,7 +21,7 @@ from torchrelay import scheduler as policy
 from torchrelay.layout import RankLayout
 from torchrelay.spec import CheckpointPolicy, JobSpec, Strategy
 from torchrelay.storage import ArtifactStore
-from torchrelay.wire import LaunchAssignment
+from torchrelay.wire import LaunchAssignment, MpiWorld
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,13 +136,29 @@ class AssignedLaunch(Protocol):
     memory: int
 
 
+def mpi_world(plans: tuple[LaunchPlan, ...]) -> dict:
+    """The MPI world an mpirun job's node 0 starts with (``wire.MpiWorld`` as stored): its
+    slots, processes per node by node rank; no daemon handed over yet."""
+    return {"slots": [plan.nproc for plan in plans], "daemons": {}}
+
+
+def with_daemons(world: dict | None, daemons: Mapping[int, str]) -> dict | None:
+    """``world`` (an mpirun job's, as stored) with the daemons node 0 handed over added; None
+    for a job that has no MPI world (a report that names daemons changes nothing then)."""
+    if world is None:
+        return None
+    return {**world, "daemons": {**world.get("daemons", {}), **{str(k): v for k, v in daemons.items()}}}
+
+
 def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], env: dict[str, str],
-                      spec_stop_grace_s: float, master: tuple[str | None, int | None],
-                      store_url: str, store_options: Mapping[str, str] | None = None) -> LaunchAssignment:
-    """``launch`` as its agent is told of it. ``master``: the address of the attempt's node 0
-    and the port it reported (None until then); ``stop_grace_s`` is the launch's own when a stop
-    set one (``relay cancel --no-checkpoint``: 0), else the spec's. ``store_options``: the store's
-    public options (``ArtifactStore.public_options``: never a credential)."""
+                      spec_stop_grace_s: float, master: tuple, store_url: str,
+                      store_options: Mapping[str, str] | None = None, launcher: str = "torchrun") -> LaunchAssignment:
+    """``launch`` as its agent is told of it. ``master``: the address of the attempt's node 0,
+    the port it reported (None until then) and, for an mpirun job, its MPI world (as stored);
+    ``stop_grace_s`` is the launch's own when a stop set one (``relay cancel --no-checkpoint``:
+    0), else the spec's. ``store_options``: the store's public options
+    (``ArtifactStore.public_options``: never a credential)."""
+    world = master[2] if len(master) > 2 else None
     return LaunchAssignment(
         launch_id=launch.id, job_id=job_id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
         stop_reason=launch.stop_reason,
@@ -150,4 +166,6 @@ def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], e
         node_rank=launch.node_rank, nnodes=launch.nnodes, nproc_per_node=launch.nproc,
         world_size=launch.world_size, rank_offset=launch.rank_offset, master_addr=master[0], master_port=master[1],
         entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url, store_options=dict(store_options or {}),
-        job_store_prefix=ArtifactStore.job_prefix(job_id), cpu=launch.cpu, memory=launch.memory)
+        job_store_prefix=ArtifactStore.job_prefix(job_id), cpu=launch.cpu, memory=launch.memory,
+        launcher=launcher,  # type: ignore[arg-type]
+        mpi=MpiWorld.model_validate(world) if launcher == "mpirun" and world is not None else None)

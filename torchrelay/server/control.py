@@ -20,7 +20,7 @@ from typing import Any, Callable
 from torchrelay import scheduler as policy
 from torchrelay.errors import StaleAttempt, StorageError
 from torchrelay.server import lifecycle, scheduling, watchdogs
-from torchrelay.server.assignment import plan_launches
+from torchrelay.server.assignment import mpi_world, plan_launches
 from torchrelay.server.executors import agents_only, is_agents_job
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.rows import Database, JobBrief, JobFacts, Rows
@@ -130,6 +130,8 @@ class Control:
             return
         if status.master_port and launch.master_port != status.master_port:
             rows.set_master_port(launch, status.master_port)
+        if status.mpi_daemons:
+            rows.set_mpi_daemons(launch, status.mpi_daemons)
         target = lifecycle.launch_update(LaunchState(launch.state), LaunchState(status.state))
         if target == LaunchState.EXITED:
             self.launch_exited(rows, launch, status, now)
@@ -230,8 +232,10 @@ class Control:
             if stop is not None:
                 vrow.requeue = True
                 rows.stop_launches(vrow, stop)
-        rows.set_waiting_reasons((waiting[job_id][0].seq, reason) for job_id, reason in decisions.waiting.items()
-                                 if job_id in waiting and waiting[job_id][0].waiting_reason != reason)
+        reasons = ((waiting[job_id], scheduling.waiting_reason(reason, waiting[job_id][1].spec))
+                   for job_id, reason in decisions.waiting.items() if job_id in waiting)
+        rows.set_waiting_reasons((brief.seq, reason) for (brief, _), reason in reasons
+                                 if brief.waiting_reason != reason)
         del loaded
 
     def place(self, rows: Rows, row: Any, facts: JobFacts, placement: policy.Placement, now: float) -> None:
@@ -239,8 +243,9 @@ class Control:
         attempt = self.begin_attempt(row)
         nodes = rows.nodes()
         where = scheduling.placement_summary(placement, facts.spec, nodes.names, nodes.gpu_types)
-        self.record_placement(rows, row, plan_launches(row.id, attempt, placement, facts.environment.layout),
-                              f"placed on {where}", now)
+        plans = plan_launches(row.id, attempt, placement, facts.environment.layout)
+        self.record_placement(rows, row, plans, f"placed on {where}", now,
+                              mpi=mpi_world(plans) if facts.spec.launcher == "mpirun" else None)
 
     def begin_attempt(self, row: Any) -> int:
         """Count the job's next attempt and fence off the older ones' checkpoints; its number."""
@@ -250,9 +255,10 @@ class Control:
         return row.attempt
 
     @staticmethod
-    def record_placement(rows: Rows, row: Any, plans: Any, where: str, now: float) -> None:
-        """The attempt's launches (``plans``) and its event (``where``: "placed on …")."""
-        rows.placed(row, plans, now)
+    def record_placement(rows: Rows, row: Any, plans: Any, where: str, now: float, mpi: dict | None = None) -> None:
+        """The attempt's launches (``plans``) and its event (``where``: "placed on …"); ``mpi``: an
+        mpirun job's world (kept on its node 0 launch)."""
+        rows.placed(row, plans, now, mpi=mpi)
         if JobState(row.state) == JobState.QUEUED:
             rows.set_state(row, JobState.SCHEDULED, where, now)
         else:

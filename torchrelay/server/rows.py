@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from torchrelay import scheduler as policy
 from torchrelay.errors import NotFound
-from torchrelay.server.assignment import LaunchPlan, launch_assignment
+from torchrelay.server.assignment import LaunchPlan, launch_assignment, with_daemons
 from torchrelay.server.cache import Cache, JobFacts, NodeFacts
 from torchrelay.server.notify import Notifier
 from torchrelay.server.scheduling import SCHEDULER_STATES
@@ -43,7 +43,7 @@ _EXITED = LaunchState.EXITED.value
 # the launch columns a heartbeat reply is built from (read as plain rows, no ORM objects)
 _ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
     "id", "job_seq", "attempt", "node_id", "node_rank", "nnodes", "nproc", "rank_offset", "world_size", "gpu",
-    "cpu", "memory", "desired", "stop_reason", "state", "master_port", "stop_grace_s"))
+    "cpu", "memory", "desired", "stop_reason", "state", "master_port", "stop_grace_s", "mpi"))
 _BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.submitted_at, JobRow.attempt,
                   JobRow.requeue, JobRow.waiting_reason, JobRow.placed_at)
 _LIVE_COLUMNS = (LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc, LaunchRow.cpu,
@@ -191,8 +191,9 @@ class Rows:
         self.outbox.job_changed(row.seq)
         self.outbox.keys.update((f"events:{row.seq}", "events"))
 
-    def placed(self, row: JobRow, plans: Sequence[LaunchPlan], now: float) -> None:
-        """Start the job's next attempt on ``plans`` (``row.attempt`` already counts it)."""
+    def placed(self, row: JobRow, plans: Sequence[LaunchPlan], now: float, mpi: dict | None = None) -> None:
+        """Start the job's next attempt on ``plans`` (``row.attempt`` already counts it); ``mpi``:
+        an mpirun job's world, kept on its node 0 launch."""
         row.waiting_reason = None
         row.last_progress_at = None
         row.placed_at = now
@@ -201,7 +202,8 @@ class Rows:
                 id=plan.id, job_seq=row.seq, attempt=row.attempt, node_id=plan.node_id, node_rank=plan.node_rank,
                 nnodes=plan.nnodes, nproc=plan.nproc, rank_offset=plan.rank_offset, world_size=plan.world_size,
                 cpu=plan.shape.cpu, gpu=plan.shape.gpu, memory=plan.shape.memory, desired="run",
-                state=LaunchState.PENDING.value, ranks=[], stopped=False, message=""))
+                state=LaunchState.PENDING.value, ranks=[], stopped=False, message="",
+                mpi=mpi if plan.node_rank == 0 else None))
             self.outbox.keys.add(f"node:{plan.node_id}")
 
     def set_waiting_reasons(self, reasons: Iterable[tuple[int, str]]) -> None:
@@ -290,7 +292,15 @@ class Rows:
     def set_master_port(self, launch: LaunchRow, port: int) -> None:
         """Record node 0's rendezvous port; the attempt's peers wait for it."""
         launch.master_port = port
-        if launch.nnodes > 1:  # a launch alone in its attempt has none
+        self._peers_changed(launch)
+
+    def set_mpi_daemons(self, launch: LaunchRow, daemons: dict[int, str]) -> None:
+        """Record the Open MPI daemons node 0's mpirun handed over; each peer waits for its own."""
+        launch.mpi = with_daemons(launch.mpi, daemons)
+        self._peers_changed(launch)
+
+    def _peers_changed(self, launch: LaunchRow) -> None:
+        if launch.nnodes > 1:  # a launch alone in its attempt has no peer
             for peer in self.attempt_launches(launch.job_seq, launch.attempt):
                 self.outbox.keys.add(f"node:{peer.node_id}")
 
@@ -523,7 +533,7 @@ def node_assignments(conn: Any, cache: Cache, node: Any, live: Sequence[Any], st
             launch, job_id=job_id_of(launch.job_seq), argv=facts.argv(),
             env=facts.worker_env(launch.gpu, node.gpu_type), spec_stop_grace_s=facts.spec.stop_grace_s,
             master=heads.get((launch.job_seq, launch.attempt), (None, None)), store_url=store.url,
-            store_options=store.public_options))
+            store_options=store.public_options, launcher=facts.spec.launcher))
     return out
 
 
@@ -554,19 +564,20 @@ def live_on_node(conn: Any, node_id: str) -> list[Any]:
 
 
 def masters(conn: Any, node_id: str, node_address: str, launches: Sequence[Any]) -> dict[tuple[int, int], tuple]:
-    """(job seq, attempt) -> (address, port) of each launch's attempt's node 0 (its head). A
-    launch that is node 0 is its own head; other heads and their nodes are read in one query
-    each, only when some launch needs them."""
-    out = {(x.job_seq, x.attempt): (node_address, x.master_port) for x in launches if x.node_rank == 0}
+    """(job seq, attempt) -> (address, port, MPI world) of each launch's attempt's node 0 (its
+    head). A launch that is node 0 is its own head; other heads and their nodes are read in one
+    query each, only when some launch needs them."""
+    out = {(x.job_seq, x.attempt): (node_address, x.master_port, x.mpi) for x in launches if x.node_rank == 0}
     peer_seqs = sorted({x.job_seq for x in launches if x.node_rank != 0})
     if peer_seqs:
         table = LaunchRow.__table__
-        heads = conn.execute(select(table.c.job_seq, table.c.attempt, table.c.node_id, table.c.master_port)
+        heads = conn.execute(select(table.c.job_seq, table.c.attempt, table.c.node_id, table.c.master_port,
+                                    table.c.mpi)
                              .where(table.c.job_seq.in_(peer_seqs), table.c.node_rank == 0)).all()
         nodes = NodeRow.__table__
         addresses = {node_id: node_address}
         addresses.update(conn.execute(select(nodes.c.id, nodes.c.address)
                                       .where(nodes.c.id.in_({h.node_id for h in heads}))).all())
         for h in heads:
-            out.setdefault((h.job_seq, h.attempt), (addresses.get(h.node_id), h.master_port))
+            out.setdefault((h.job_seq, h.attempt), (addresses.get(h.node_id), h.master_port, h.mpi))
     return out

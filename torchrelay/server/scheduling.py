@@ -5,18 +5,22 @@
 - ``allocation(...)``: a job holding nodes, from its live launches, as a ``scheduler.Allocation``;
 - ``placement_summary(...)``: the "placed on a×2, b×2" text of a placement's event;
 - ``never_fits_message(spec, nodes)``: why a submission is refused as unschedulable;
-- ``queue_rows(...)``: ``relay queue``'s rows from one cycle's decisions.
+- ``queue_rows(...)``: ``relay queue``'s rows from one cycle's decisions;
+- ``job_labels``, ``submission_probe``, ``waiting_reason``: an mpirun job needs nodes with Open
+  MPI (``wire.MPIRUN_LABEL``), is taken where none is yet, and waits saying so.
 
 No I/O: ``rows.py`` reads what these take and ``control.py`` carries out the decisions.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
 from torchrelay import scheduler as policy
 from torchrelay.layout import RankLayout
 from torchrelay.server.views import job_id_of
 from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, Resources
+from torchrelay.wire import MPIRUN_LABEL
 
 # the jobs a cycle reads: those waiting and those holding (or about to hold) nodes
 SCHEDULER_STATES = (JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING, JobState.RESTARTING,
@@ -36,13 +40,42 @@ def job_roles(spec: JobSpec) -> tuple[tuple[str, int, policy.WorkerShape], ...]:
     return ()
 
 
+# why an mpirun job waits where no node can run it, after the policy's own reason
+MPI_HINT = (f"launcher: mpirun runs only on nodes whose agent found Open MPI's mpirun and orted (label "
+            f"{MPIRUN_LABEL[0]}={MPIRUN_LABEL[1]}); install Open MPI there (Debian: openmpi-bin) and restart the agent")
+
+
+def job_labels(spec: JobSpec) -> tuple[tuple[str, str], ...]:
+    """The node labels a job needs: its spec's, and for an mpirun job ``wire.MPIRUN_LABEL``."""
+    labels = dict(spec.labels)
+    if spec.launcher == "mpirun":
+        labels.setdefault(*MPIRUN_LABEL)
+    return tuple(sorted(labels.items()))
+
+
+def submission_probe(spec: JobSpec, probe: policy.QueuedJob) -> policy.QueuedJob:
+    """What a submission is checked against the ready nodes with: ``probe`` without the MPI
+    label, so that an mpirun job on a cluster with no Open MPI node yet is taken and waits,
+    its reason in ``relay queue`` (``waiting_reason``), rather than refused."""
+    if spec.launcher != "mpirun" or MPIRUN_LABEL[0] in spec.labels:
+        return probe
+    return dataclasses.replace(probe, labels=tuple(sorted(spec.labels.items())))
+
+
+def waiting_reason(reason: str, spec: JobSpec) -> str:
+    """The policy's ``reason`` as people read it: an mpirun job that fits no node says why."""
+    if spec.launcher == "mpirun" and reason.startswith("unschedulable"):
+        return f"{reason}; {MPI_HINT}"
+    return reason
+
+
 def queued_job(seq: int, spec: JobSpec) -> policy.QueuedJob:
     """What the policy is told of a waiting job: it never changes while the job waits."""
     return policy.QueuedJob(
         job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, submit_seq=seq,
         workers=spec.workers, shape=worker_shape(spec.resources),
         workers_per_node=spec.workers_per_node if spec.nodes else None, nodes=spec.nodes,
-        labels=tuple(sorted(spec.labels.items())), preemptible=spec.preemptible,
+        labels=job_labels(spec), preemptible=spec.preemptible,
         max_runtime_s=spec.max_runtime_s, roles=job_roles(spec))
 
 
@@ -143,6 +176,6 @@ def queue_rows(decisions: policy.Decisions, queue: Sequence[policy.QueuedJob],
         out.append({"position": position, "id": job_id, "name": row.name, "user": row.user,
                     "priority": spec.priority, "workers": RankLayout.of_spec(spec).world_size,
                     "state": row.state, "submitted_at": row.submitted_at, "max_runtime_s": spec.max_runtime_s,
-                    "reason": "starting" if job_id in placed else decisions.waiting.get(job_id, ""),
+                    "reason": "starting" if job_id in placed else waiting_reason(decisions.waiting.get(job_id, ""), spec),
                     "estimated_start": decisions.estimated_start.get(job_id)})
     return out

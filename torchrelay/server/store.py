@@ -116,6 +116,8 @@ class LaunchRow(Base):
     stop_grace_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     # the executor's own id of the launch's attempt (a Slurm job id); None for an agent's launch
     external_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # node 0 of an mpirun job: its MPI world (``wire.MpiWorld``: slots, and the daemons handed over)
+    mpi: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 

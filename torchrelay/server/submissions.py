@@ -23,7 +23,7 @@ from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound, Unschedulable
 from torchrelay.server.executors import Executors, agents_only, is_agents_job
 from torchrelay.server.rows import Database, JobFacts
-from torchrelay.server.scheduling import never_fits_message, queued_job
+from torchrelay.server.scheduling import never_fits_message, queued_job, submission_probe
 from torchrelay.server.views import job_id_of
 from torchrelay.spec import JobSpec, JobState
 from torchrelay.storage import ArtifactStore
@@ -155,7 +155,8 @@ class Submissions:
             ready = agents_only(rows.nodes().ready)
             good = []
             for ticket in tickets:
-                if ready and is_agents_job(ticket.spec) and not policy.fits_ever(ticket.probe, ready):
+                probe = submission_probe(ticket.spec, ticket.probe)
+                if ready and is_agents_job(ticket.spec) and not policy.fits_ever(probe, ready):
                     ticket.error = Unschedulable(never_fits_message(ticket.spec, ready))
                 else:
                     good.append(ticket)
