@@ -180,3 +180,18 @@ def ceph():
     finally:
         cluster.stop()
 
+
+@pytest.fixture(scope="session")
+def rabbitmq(tmp_path_factory):
+    """A private RabbitMQ node for the whole session (tests/services/rabbitmq.py), stopped after."""
+    from tests.services.rabbitmq import RabbitMQ
+
+    reason = RabbitMQ.unavailable()
+    if reason:
+        pytest.skip(reason)
+    node = RabbitMQ(tmp_path_factory.mktemp("rabbitmq"))
+    try:
+        node.start()
+        yield node
+    finally:
+        node.close()

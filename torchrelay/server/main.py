@@ -21,6 +21,8 @@ from torchrelay.home import relay_home, server_file, write_json
 from torchrelay.server.app import create_app
 from torchrelay.server.config import load_server_config
 from torchrelay.server.executors import Executor
+from torchrelay.server.events.relay import EventRelay
+from torchrelay.server.events.urls import parse_sink_url
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.service import ClusterService
 from torchrelay.storage import ArtifactStore, Guarantee
@@ -70,13 +72,16 @@ def open_checked_store(url: str, options: dict) -> ArtifactStore:
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
           quotas_file: Path | None = None, executors: Sequence[Executor] = (),
-          config_file: Path | None = None) -> None:
+          config_file: Path | None = None, events: Sequence[str] = ()) -> None:
     """Serve until interrupted. Raises, before binding: InvalidSpec naming the file and entry when
-    ``quotas_file`` or ``config_file`` is malformed; StorageError with the store's own reason when
-    the artifact store cannot be opened, reached or written (a missing package, wrong credentials,
-    a missing bucket). Raises OSError naming the address when it cannot bind."""
+    ``quotas_file`` or ``config_file`` is malformed, or naming the URL when one of ``events`` is;
+    StorageError with the store's own reason when the artifact store cannot be opened, reached or
+    written (a missing package, wrong credentials, a missing bucket). Raises OSError naming the
+    address when it cannot bind. A sink that cannot be reached is logged and retried by its
+    relay, never fatal (docs/queues.md)."""
     quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
     config = load_server_config(config_file) if config_file else None
+    sink_urls = [parse_sink_url(url) for url in events]
     home = home or relay_home()
     store = open_checked_store(store_url or (config and config.store_url) or str(home / "store"),
                                config.store_options if config else {})
@@ -93,6 +98,9 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
     app = create_app(service)
+    relays = [EventRelay(url, service.engine) for url in sink_urls]
+    for relay in relays:
+        relay.start()
     write_json(server_file(home), {"address": address, "pid": os.getpid()})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75,
@@ -101,6 +109,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     try:
         server.run(sockets=[sock])
     finally:
+        for relay in relays:
+            relay.stop()
         try:
             data = server_file(home).read_text()
             if str(os.getpid()) in data:

@@ -122,6 +122,15 @@ class LaunchRow(Base):
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 
 
+class EventCursorRow(Base):
+    """How far each ``--events`` sink got: the last job event seq its broker confirmed."""
+
+    __tablename__ = "event_cursors"
+
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, default=0)
+
+
 class LogRow(Base):
     __tablename__ = "logs"
 

@@ -32,6 +32,9 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                               "for jobs squeue no longer lists when accounting is off"),
            slurm_accounting: bool = typer.Option(False, "--slurm-accounting", help="ask sacct (slurmdbd) for "
                                                  "jobs squeue no longer lists"),
+           events: list[str] = typer.Option(None, "--events", help="send job events to a broker too: "
+                                            "amqp://USER:PASS@HOST:PORT/VHOST?exchange=NAME or "
+                                            "kafka://HOST:PORT/TOPIC; repeatable (docs/queues.md)"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
     from torchrelay.server.main import serve, slurm_executor
@@ -42,4 +45,4 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                         python=slurm_python, poll_interval_s=slurm_poll, jobcomp=slurm_jobcomp,
                                         accounting=slurm_accounting))
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
-          log_level=log_level, quotas_file=quotas, executors=executors, config_file=config)
+          log_level=log_level, quotas_file=quotas, executors=executors, config_file=config, events=events or ())

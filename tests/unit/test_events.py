@@ -1,0 +1,57 @@
+"""Events out, the pure parts: --events URLs, routing keys and bodies, the cursor rule (tables)."""
+from __future__ import annotations
+
+import pytest
+
+from torchrelay.errors import InvalidSpec
+from torchrelay.server.events.model import Event, next_cursor
+from torchrelay.server.events.urls import parse_sink_url
+
+
+@pytest.mark.parametrize("url, kind, target, name", [
+    ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp", "amqp://guest:guest@127.0.0.1:5672/%2F", "relay.events"),
+    ("amqp://u:p@mq:5672/prod?exchange=ops.relay&heartbeat=30", "amqp", "amqp://u:p@mq:5672/prod?heartbeat=30",
+     "ops.relay"),
+    ("amqps://u:p@mq:5671/", "amqp", "amqps://u:p@mq:5671/", "relay.events"),
+    ("kafka://127.0.0.1:9092/relay.events", "kafka", "127.0.0.1:9092", "relay.events"),
+    ("kafka://a:9092,b:9093/ops", "kafka", "a:9092,b:9093", "ops"),
+    ("kafka://a:9092", "kafka", "a:9092", "relay.events"),
+])
+def test_sink_urls(url, kind, target, name):
+    got = parse_sink_url(url)
+    assert (got.kind, got.target, got.name) == (kind, target, name)
+    assert "p@" not in got.redacted and ":p@" not in got.redacted
+
+
+@pytest.mark.parametrize("url, says", [
+    ("rabbit://h:5672/", "scheme 'rabbit'"), ("amqp://:5672/", "no host"), ("amqp://h/", "no port"),
+    ("amqp://h:99999/", "not a URL"), ("kafka://h/t", "HOST:PORT"), ("kafka://h:9092/a/b", "nothing after"),
+    ("kafka://h:9092/bad topic", "not a usable"), ("amqp://h:5672/?exchange=", "not a usable"), ("", "scheme ''"),
+])
+def test_malformed_sink_urls_are_refused_naming_them(url, says):
+    with pytest.raises(InvalidSpec) as err:
+        parse_sink_url(url)
+    assert repr(url) in str(err.value) and says in str(err.value)
+
+
+def ev(seq: int, job: str = "job-1") -> Event:
+    return Event(seq=seq, time=1.5, job_id=job, state="RUNNING", message="started")
+
+
+def test_routing_key_and_body_round_trip():
+    event = ev(7, "job-12")
+    assert event.routing_key() == "job.job-12.state"
+    assert Event.from_body(event.body()) == event
+
+
+@pytest.mark.parametrize("cursor, seqs, confirmed, expect", [
+    (0, [1, 2, 3], 3, 3), (0, [1, 2, 3], 1, 1), (5, [6, 9], 0, 5), (5, [7, 9], 2, 9),
+    (5, [5, 6], 2, ValueError), (0, [2, 1], 2, ValueError), (0, [1], 2, ValueError),
+])
+def test_the_cursor_moves_only_past_confirmed_events_in_order(cursor, seqs, confirmed, expect):
+    batch = [ev(s) for s in seqs]
+    if expect is ValueError:
+        with pytest.raises(ValueError):
+            next_cursor(cursor, batch, confirmed)
+    else:
+        assert next_cursor(cursor, batch, confirmed) == expect

@@ -1,0 +1,101 @@
+"""One thread per sink: read the store's events after the sink's cursor, publish, move the cursor.
+
+Contract:
+- ``EventRelay(url, engine, sink=None)``; ``start()`` starts its daemon thread; ``stop()``
+  (idempotent) ends it and closes the sink, waiting at most ``timeout`` s.
+- Delivery is at least once and in ``seq`` order: a batch is read after the cursor in ``seq``
+  order, the cursor moves only past what the broker confirmed (``model.next_cursor``) and is
+  kept in the store (``event_cursors``, one row per sink URL), so a restarted server resumes
+  where the broker last confirmed; a consumer drops a ``seq`` it has seen.
+- While the broker cannot be reached the relay logs it (the first time and then once a
+  minute), keeps the events (they are rows of the store anyway) and tries again with a backoff
+  of 0.2 s doubling to 5 s; it never raises. It only reads the store and writes its own cursor
+  row, outside the server's writer lock, so a broker that hangs delays nothing of the control
+  plane (heartbeats, submits).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import select
+
+from torchrelay.server.events.model import Event, next_cursor
+from torchrelay.server.events.sinks import Sink, SinkUnavailable, make_sink
+from torchrelay.server.events.urls import SinkUrl
+from torchrelay.server.store import EventCursorRow, EventRow
+from torchrelay.server.views import job_id_of
+
+log = logging.getLogger(__name__)
+BATCH = 500
+
+
+def read_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]:
+    """The store's job events after ``after``, oldest first."""
+    table = EventRow.__table__
+    with engine.connect() as conn:
+        rows = conn.execute(select(table.c.id, table.c.job_seq, table.c.time, table.c.state, table.c.message)
+                            .where(table.c.id > after).order_by(table.c.id).limit(limit)).all()
+    return [Event(seq=r.id, time=r.time, job_id=job_id_of(r.job_seq), state=r.state, message=r.message or "")
+            for r in rows]
+
+
+def load_cursor(engine: Any, name: str) -> int:
+    table = EventCursorRow.__table__
+    with engine.connect() as conn:
+        seq = conn.execute(select(table.c.seq).where(table.c.name == name)).scalar()
+    return int(seq or 0)
+
+
+def save_cursor(engine: Any, name: str, seq: int) -> None:
+    table = EventCursorRow.__table__
+    with engine.begin() as conn:
+        if conn.execute(table.update().where(table.c.name == name).values(seq=seq)).rowcount == 0:
+            conn.execute(table.insert().values(name=name, seq=seq))
+
+
+class EventRelay:
+    def __init__(self, url: SinkUrl, engine: Any, sink: Sink | None = None, idle_s: float = 0.1):
+        self.url = url
+        self.engine = engine
+        self.sink = sink or make_sink(url)
+        self.idle_s = idle_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"relay-events-{url.kind}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.sink.close()
+
+    def _run(self) -> None:
+        cursor, backoff, warned_at = None, 0.2, None
+        while not self._stop.is_set():
+            try:
+                if cursor is None:
+                    cursor = load_cursor(self.engine, self.url.redacted)
+                events = read_events(self.engine, cursor)
+                if not events:
+                    self._stop.wait(self.idle_s)
+                    continue
+                confirmed = self.sink.publish(events)
+                if confirmed:
+                    cursor = next_cursor(cursor, events, confirmed)
+                    save_cursor(self.engine, self.url.redacted, cursor)
+                    backoff, warned_at = 0.2, None
+            except SinkUnavailable as exc:
+                if warned_at is None or time.monotonic() - warned_at > 60:
+                    log.warning("events: %s; keeping them and retrying", exc)
+                    warned_at = time.monotonic()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception:  # noqa: BLE001 - the relay must outlive a store hiccup
+                log.exception("events to %s: unexpected error; retrying", self.url.redacted)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,143 @@
+"""The brokers events go to: each sink publishes a batch and says how much of it was confirmed.
+
+Contract of a sink (``Sink``): ``publish(events)`` blocks until the broker confirmed the
+events or gave up, and returns how many of them, from the first, are confirmed (``n`` means
+``events[:n]`` are safe with the broker); it raises ``SinkUnavailable`` (naming the broker) when
+it cannot reach the broker at all, and then reconnects on its next call. ``close()`` is
+idempotent. A sink is used by one thread (its relay's).
+
+- ``AmqpSink``: RabbitMQ over AMQP 0-9-1 with pika's blocking connection: a durable topic
+  exchange, persistent messages (delivery mode 2), publisher confirms (each ``basic_publish``
+  returns once the broker confirmed it); ``message_id`` and the ``seq`` header carry the seq.
+- ``KafkaSink``: confluent-kafka's producer, idempotent (``enable.idempotence``: no duplicates
+  or reordering from its own retries), ``acks=all``, key = job id (a job's events stay in one
+  partition, in order); ``publish`` flushes and counts the delivery reports.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from torchrelay.server.events.model import Event
+from torchrelay.server.events.urls import SinkUrl
+
+log = logging.getLogger(__name__)
+# pika logs every failed connection attempt at ERROR with a traceback; the relay reports the
+# broker's state itself (once, then once a minute), so pika's own reports would only flood the log
+logging.getLogger("pika").setLevel(logging.CRITICAL)
+
+
+class SinkUnavailable(Exception):
+    """The broker cannot be reached or refused the connection; the message names it."""
+
+
+class Sink(Protocol):
+    url: SinkUrl
+
+    def publish(self, events: Sequence[Event]) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class AmqpSink:
+    def __init__(self, url: SinkUrl, timeout_s: float = 5.0):
+        self.url = url
+        self.timeout_s = timeout_s
+        self._connection = None
+        self._channel = None
+
+    def _connect(self) -> None:
+        import pika  # local: only servers with an amqp:// sink need it
+
+        params = pika.URLParameters(self.url.target)
+        if "heartbeat=" not in self.url.target:
+            # a blocking connection waits for a broker's reply with no deadline of its own (a
+            # broker still booting may accept a connection and say nothing): heartbeats close
+            # such a connection after about two intervals, and the relay then retries
+            params.heartbeat = max(2, int(self.timeout_s))
+        params.socket_timeout = self.timeout_s
+        params.stack_timeout = self.timeout_s * 2
+        params.blocked_connection_timeout = self.timeout_s  # a broker out of memory must not hang us
+        params.connection_attempts = 1
+        try:
+            self._connection = pika.BlockingConnection(params)
+            self._channel = self._connection.channel()
+            self._channel.exchange_declare(self.url.name, exchange_type="topic", durable=True)
+            self._channel.confirm_delivery()
+        except Exception as exc:  # noqa: BLE001 - pika raises many kinds; all mean "not now"
+            self.close()
+            raise SinkUnavailable(f"RabbitMQ at {self.url.redacted}: {type(exc).__name__}: {exc}") from None
+
+    def publish(self, events: Sequence[Event]) -> int:
+        import pika
+
+        if self._channel is None:
+            self._connect()
+        done = 0
+        try:
+            for event in events:
+                self._channel.basic_publish(
+                    self.url.name, event.routing_key(), event.body(),
+                    properties=pika.BasicProperties(delivery_mode=2, content_type="application/json",
+                                                    message_id=str(event.seq), headers={"seq": event.seq}))
+                done += 1  # confirm_delivery: basic_publish returned, so the broker confirmed it
+        except Exception as exc:  # noqa: BLE001 - a lost connection, a nack, a blocked broker
+            self.close()
+            if done == 0:
+                raise SinkUnavailable(f"RabbitMQ at {self.url.redacted}: {type(exc).__name__}: {exc}") from None
+            log.warning("events to %s: %s after %d confirmed", self.url.redacted, exc, done)
+        return done
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection may fail; it is gone either way
+                pass
+
+
+class KafkaSink:
+    def __init__(self, url: SinkUrl, timeout_s: float = 10.0):
+        self.url = url
+        self.timeout_s = timeout_s
+        self._producer = None
+
+    def publish(self, events: Sequence[Event]) -> int:
+        from confluent_kafka import Producer  # local: only servers with a kafka:// sink need it
+
+        if self._producer is None:
+            self._producer = Producer({"bootstrap.servers": self.url.target, "enable.idempotence": True,
+                                       "acks": "all", "linger.ms": 2,
+                                       "message.timeout.ms": int(self.timeout_s * 1000),
+                                       "logger": log})
+        delivered: dict[int, bool] = {}
+
+        def report(err, msg) -> None:  # noqa: ANN001 - confluent-kafka's callback
+            delivered[int(msg.headers()[0][1])] = err is None
+
+        for event in events:
+            self._producer.produce(self.url.name, key=event.job_id.encode(), value=event.body(),
+                                   headers=[("seq", str(event.seq).encode())], on_delivery=report)
+        self._producer.flush(self.timeout_s + 2)
+        done = 0
+        for event in events:
+            if not delivered.get(event.seq):
+                break
+            done += 1
+        if done == 0 and events:
+            self.close()  # a fresh producer next time: nothing of this batch lingers in its queue
+            raise SinkUnavailable(f"Kafka at {self.url.redacted}: none of {len(events)} events delivered "
+                                  f"within {self.timeout_s:g} s")
+        return done
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.purge()
+            producer.flush(0)
+
+
+def make_sink(url: SinkUrl) -> Sink:
+    return KafkaSink(url) if url.kind == "kafka" else AmqpSink(url)
