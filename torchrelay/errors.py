@@ -37,6 +37,13 @@ class Unschedulable(RelayError):
     http_status = 422
 
 
+class StreamError(RelayError):
+    """A stream a dataset cannot read as asked (a missing topic or stream, a partition count
+    that cannot be split over the job's ranks): names it and the counts."""
+
+    http_status = 422
+
+
 class ServerUnavailable(RelayError):
     """No torchrelay server answers at the address the client was given."""
 
