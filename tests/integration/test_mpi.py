@@ -108,6 +108,17 @@ def test_failing_rank_is_blamed_and_the_whole_world_ends(mpi_cluster):
     assert wait_gone(mpi_cluster.home) == []  # the ranks waiting in the barrier were ended
 
 
+def test_a_failed_mpi_world_restarts_as_a_new_world(mpi_cluster):
+    with RelayClient(mpi_cluster.address) as c:
+        info = c.submit(mpi_spec("python hello_mpi.py fail-once", max_restarts=1), base_dir=JOBS)
+        final = c.wait(info.id, timeout=150)
+        assert final.state == JobState.SUCCEEDED, final.failure
+        assert final.restarts == 1 and final.restart_reasons[0].rank == 3, final.restart_reasons
+        texts = [(line.attempt, line.text) for line in c.follow_logs(info.id, wait=0)]
+    assert {(2, f"mpi rank {r}/4 sum=10") for r in range(4)} <= set(texts)
+    assert wait_gone(mpi_cluster.home) == []
+
+
 def test_cancel_ends_mpirun_daemons_and_ranks_on_every_node(mpi_cluster):
     with RelayClient(mpi_cluster.address) as c:
         info = c.submit(mpi_spec("python hello_mpi.py sleep", stop_grace_s=5), base_dir=JOBS)
