@@ -52,6 +52,7 @@ def test_open_mpi_settings_on_loopback_and_across_hosts(addr, loopback):
     assert ("OMPI_MCA_btl_tcp_if_include" in env) is loopback
     node = mpi.node_env(addr, "/tmp/s", daemon=True)
     assert node["OMPI_MCA_orte_tmpdir_base"] == "/tmp/s" and (mpi.SHM_DIR_VAR in node) is loopback
+    assert node.get(mpi.SHM_DIR_VAR, mpi.shm_dir("/tmp/s")).endswith("/s")
     assert "OMPI_MCA_orte_tmpdir_base" not in mpi.node_env(addr, "/tmp/s", daemon=False)
 
 

@@ -191,7 +191,8 @@ class _MpiBackend(CommandBackend):
 
     def node_env(self, env: dict[str, str], master_addr: str, master_port: int) -> dict[str, str]:
         assignment = self.place.assignment
-        os.makedirs(self.session, exist_ok=True)
+        for folder in (self.session, mpi.shm_dir(self.session)):
+            os.makedirs(folder, exist_ok=True)
         out = {**mpi.mpirun_env(master_addr), **env}  # the job's env may override Open MPI's
         out.update(mpi.node_env(master_addr, self.session, daemon=self.kind is BackendKind.MPI_DAEMON))
         out.update(build_rank_env(assignment, master_addr=master_addr, master_port=master_port,
@@ -207,8 +208,9 @@ class _MpiBackend(CommandBackend):
         return self._ended(super().wait(timeout))
 
     def _ended(self, ended: bool) -> bool:
-        if ended:  # Open MPI leaves its session folder's top behind; nothing of it is needed now
-            shutil.rmtree(self.session, ignore_errors=True)
+        if ended:  # Open MPI leaves its folders' tops behind; nothing of them is needed now
+            for folder in (self.session, mpi.shm_dir(self.session)):
+                shutil.rmtree(folder, ignore_errors=True)
         return ended
 
 

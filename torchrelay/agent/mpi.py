@@ -79,6 +79,13 @@ def on_loopback(master_addr: str) -> bool:
     return master_addr == "localhost" or master_addr.startswith("127.")
 
 
+def shm_dir(session: str) -> str:
+    """Where a node's ranks keep shared memory when agents share a machine: in memory
+    (``/dev/shm``, where Open MPI would put it) under the session's own name; the session
+    folder itself where there is no ``/dev/shm``."""
+    return os.path.join("/dev/shm", os.path.basename(session)) if os.path.isdir("/dev/shm") else session
+
+
 def node_env(master_addr: str, session: str, *, daemon: bool) -> dict[str, str]:
     """What one node's mpirun (``daemon`` False) or daemon adds for itself alone, never passed on
     by mpirun (which hands every ``OMPI_*`` variable of its own to all ranks): the daemon's
@@ -87,7 +94,7 @@ def node_env(master_addr: str, session: str, *, daemon: bool) -> dict[str, str]:
     in /dev/shm by host, job and local rank, so two agents' ranks would collide."""
     env = {"OMPI_MCA_orte_tmpdir_base": session} if daemon else {}
     if on_loopback(master_addr):
-        env[SHM_DIR_VAR] = session
+        env[SHM_DIR_VAR] = shm_dir(session)
     return env
 
 

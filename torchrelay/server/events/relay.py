@@ -57,7 +57,7 @@ def save_cursor(engine: Any, name: str, seq: int) -> None:
 
 
 class EventRelay:
-    def __init__(self, url: SinkUrl, engine: Any, sink: Sink | None = None, idle_s: float = 0.1):
+    def __init__(self, url: SinkUrl, engine: Any, sink: Sink | None = None, idle_s: float = 0.05):
         self.url = url
         self.engine = engine
         self.sink = sink or make_sink(url)
