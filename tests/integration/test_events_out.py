@@ -23,13 +23,14 @@ from torchrelay.server.events.model import Event
 pytestmark = pytest.mark.timeout(300)
 
 
-def start_server(home: Path, *events: str) -> tuple[subprocess.Popen, str]:
+def start_server(home: Path, *events: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     from torchrelay.home import read_json, server_file
 
     home.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "torchrelay.client.cli.main", "server", "--port", "0", "--log-level", "warning"]
     for url in events:
         argv += ["--events", url]
+    argv += list(extra)
     log = open(home / "server.log", "ab")
     proc = subprocess.Popen(argv, env={**os.environ, "RELAY_HOME": str(home), "PYTHONUNBUFFERED": "1"},
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -208,6 +209,45 @@ def test_kafka_events_are_keyed_by_job_in_order(kafka_bootstrap, tmp_path):
             assert all(seqs == sorted(seqs) for seqs in by_job.values()), by_job  # a job's events in order
             assert sorted((e.job_id, e.state, e.message) for e in {e.seq: e for e in events}.values()) == \
                 expected(client, ids)
+    finally:
+        consumer.close()
+        stop_server(proc)
+
+
+def test_node_events_and_metric_summaries_reach_kafka(kafka_bootstrap, tmp_path):
+    import httpx
+    from confluent_kafka import Consumer
+
+    from torchrelay.wire import API_PREFIX, MetricBatch, MetricRecord, NodeRegistration
+
+    topic = f"relay-events-{secrets.token_hex(3)}"
+    proc, address = start_server(tmp_path / "home", f"kafka://{kafka_bootstrap}/{topic}",
+                                 extra=("--heartbeat-timeout", "1"))
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": topic, "auto.offset.reset": "earliest"})
+    try:
+        with httpx.Client(base_url=address + API_PREFIX) as http, RelayClient(address) as client:
+            job = client.submit({"name": "m", "entrypoint": "python -c pass"}, upload=False)
+            reg = NodeRegistration(name="lonely", address="127.0.0.1", cpus=1, memory=2**30)
+            http.post("/nodes/register", json=reg.model_dump()).raise_for_status()  # then no heartbeat: LOST
+            points = [MetricRecord(rank=r, seq=i, step=i, time=time.time(), values={"loss": 1.0 + r})
+                      for r in (0, 1) for i in range(3)]
+            http.post(f"/jobs/{job.id}/metrics", json=MetricBatch(launch_id="x-n0", records=points).model_dump()
+                      ).raise_for_status()
+            consumer.subscribe([topic])
+            got: dict[tuple[str, str], Event] = {}
+            deadline = time.monotonic() + 60
+            while not ({("node", "READY"), ("node", "LOST"), ("metrics", "")} <= set(got)):
+                assert time.monotonic() < deadline, sorted(got)
+                msg = consumer.poll(0.5)
+                if msg is None or msg.error():
+                    continue
+                event = Event.from_body(msg.value())
+                got[(event.kind, event.state)] = event
+                assert msg.key() == event.key().encode()
+            assert got[("node", "LOST")].node == "lonely" and got[("node", "READY")].seq < got[("node", "LOST")].seq
+            summary = got[("metrics", "")]
+            assert (summary.job_id, summary.step, summary.values) == (job.id, 2, {"loss": 1.5})
+            client.cancel(job.id)
     finally:
         consumer.close()
         stop_server(proc)

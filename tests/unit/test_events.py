@@ -55,3 +55,31 @@ def test_the_cursor_moves_only_past_confirmed_events_in_order(cursor, seqs, conf
             next_cursor(cursor, batch, confirmed)
     else:
         assert next_cursor(cursor, batch, confirmed) == expect
+
+
+@pytest.mark.parametrize("event, key, body_has", [
+    (Event(seq=1, time=0.0, job_id="job-3", state="QUEUED", message="submitted"), "job.job-3.state",
+     {"job": "job-3", "state": "QUEUED", "message": "submitted", "kind": "state"}),
+    (Event(seq=2, time=0.0, kind="node", node="gpu-07", state="LOST"), "node.gpu-07.state",
+     {"node": "gpu-07", "state": "LOST", "kind": "node"}),
+    (Event(seq=9, time=0.0, kind="metrics", job_id="job-3", step=40, values={"loss": 0.5}), "job.job-3.metrics",
+     {"job": "job-3", "step": 40, "values": {"loss": 0.5}, "kind": "metrics"}),
+])
+def test_each_feed_has_its_routing_key_and_body(event, key, body_has):
+    import json
+
+    assert event.routing_key() == key
+    body = json.loads(event.body())
+    assert {k: body[k] for k in body_has} == body_has and body["seq"] == event.seq
+    assert Event.from_body(event.body()) == event
+
+
+def test_metric_summaries_take_each_ranks_latest_point_per_job():
+    from torchrelay.server.events.model import metric_summaries
+
+    rows = [(10, "job-1", 0, 5, 1.0, {"loss": 4.0}), (11, "job-1", 1, 5, 1.1, {"loss": 2.0}),
+            (12, "job-2", 0, 1, 1.2, {"acc": 0.5}), (13, "job-1", 0, 6, 1.3, {"loss": 1.0, "lr": 0.1})]
+    got = metric_summaries(rows)
+    assert [(e.job_id, e.seq, e.step) for e in got] == [("job-2", 12, 1), ("job-1", 13, 6)]
+    assert got[1].values == {"loss": 1.5, "lr": 0.1} and got[1].time == 1.3  # rank 0's step 6 and rank 1's step 5
+    assert metric_summaries([]) == []

@@ -105,7 +105,7 @@ class Control:
         for lost in watchdogs.lost_nodes([x for x in rows.liveness() if x.id in heartbeating], now=now,
                                          timeout_s=self.heartbeat_timeout_s):
             node = rows.node(lost.node_id)
-            rows.set_node_state(node, NodeState.LOST)
+            rows.set_node_state(node, NodeState.LOST, now)
             for launch in rows.live_on_node_orm(node.id):
                 self.launch_exited(rows, launch, LaunchStatus(state="exited", succeeded=False, message=lost.message),
                                    now, infra=True)

@@ -31,7 +31,8 @@ from torchrelay.server.assignment import LaunchPlan, launch_assignment, with_dae
 from torchrelay.server.cache import Cache, JobFacts, NodeFacts
 from torchrelay.server.notify import Notifier
 from torchrelay.server.scheduling import SCHEDULER_STATES
-from torchrelay.server.store import EventRow, JobRow, LaunchRow, NodeRow, make_engine, make_sessionmaker
+from torchrelay.server.store import (EventRow, JobRow, LaunchRow, NodeEventRow, NodeRow, make_engine,
+                                     make_sessionmaker)
 from torchrelay.server.views import (JobView, LaunchView, NodeLiveness, ProgressView, RuntimeView, Stop, StopKind,
                                      job_id_of, job_seq_of)
 from torchrelay.spec import (JobSpec, JobState, LaunchState, NodeState, check_launch_transition,
@@ -376,12 +377,17 @@ class Rows:
     def node(self, node_id: str) -> NodeRow | None:
         return self.s.get(NodeRow, node_id)
 
-    def set_node_state(self, node: NodeRow, target: NodeState) -> None:
-        """Raises Conflict when ``torchrelay.spec.NODE_TRANSITIONS`` refuses the change."""
+    def set_node_state(self, node: NodeRow, target: NodeState, now: float | None = None) -> None:
+        """Raises Conflict when ``torchrelay.spec.NODE_TRANSITIONS`` refuses the change. The
+        change is recorded (``node_events``, what ``--events`` sinks send) at ``now``."""
         if node.state != target.value:
             check_node_transition(node.id, NodeState(node.state), target)
             node.state = target.value
             self.nodes_changed()
+            self._node_event(node, now if now is not None else node.last_seen)
+
+    def _node_event(self, node: NodeRow, now: float) -> None:
+        self.s.add(NodeEventRow(node_id=node.id, node_name=node.name, time=now, state=node.state))
 
     def register_node(self, reg: NodeRegistration, now: float) -> str:
         """Add the node, or update a known one (same node_id) and make it READY. Returns its id."""
@@ -391,10 +397,11 @@ class Rows:
                            cpus=reg.cpus, gpus=reg.gpus, gpu_type=reg.gpu_type, memory=reg.memory,
                            labels=reg.labels, state=NodeState.READY.value, last_seen=now)
             self.s.add(node)
+            self._node_event(node, now)
         else:
             node.name, node.address, node.cpus, node.gpus = reg.name, reg.address, reg.cpus, reg.gpus
             node.gpu_type, node.memory, node.labels = reg.gpu_type, reg.memory, reg.labels
-            self.set_node_state(node, NodeState.READY)
+            self.set_node_state(node, NodeState.READY, now)
             node.last_seen = now
         self.nodes_changed()
         self.outbox.keys.add(f"node:{node.id}")

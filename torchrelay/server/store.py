@@ -122,8 +122,20 @@ class LaunchRow(Base):
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 
 
+class NodeEventRow(Base):
+    """A node's state change (registered READY, LOST, DRAINING, READY again), in order."""
+
+    __tablename__ = "node_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(String(64), index=True)
+    node_name: Mapped[str] = mapped_column(String(256))
+    time: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))
+
+
 class EventCursorRow(Base):
-    """How far each ``--events`` sink got: the last job event seq its broker confirmed."""
+    """How far each ``--events`` sink got in each feed: the last seq its broker confirmed."""
 
     __tablename__ = "event_cursors"
 

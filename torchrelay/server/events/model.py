@@ -1,10 +1,13 @@
 """One event as consumers see it, and the order rules. Pure.
 
-An event is a row of the store's job events (``store.EventRow``: a job's state change with its
-reason, a placement, a restart, a stop request). ``seq`` is the row's id: increasing in the
-order the server committed them, the same every time a row is read, so a consumer that sees a
-``seq`` again drops it (delivery is at least once). ``next_cursor`` is the one rule a relay
-moves by: only past events the broker confirmed, in order, never back.
+Three feeds, each a table of the store read in id order: ``state`` (job events,
+``store.EventRow``: a job's state change with its reason, a placement, a restart, a stop
+request), ``node`` (``store.NodeEventRow``: a node registered, lost, back) and ``metrics``
+(summaries of ``store.MetricRow`` per job, ``metric_summaries``). ``seq`` is the row's id (a
+summary's: its last row's): increasing within a feed in the order the server committed them,
+the same every time a row is read, so a consumer that sees a ``(kind, seq)`` again drops it
+(delivery is at least once). ``next_cursor`` is the one rule a relay moves by: only past
+events the broker confirmed, in order, never back.
 """
 from __future__ import annotations
 
@@ -15,31 +18,70 @@ from dataclasses import dataclass
 SCHEMA = 1  # in every body: consumers can tell a later layout
 
 
+FEEDS = ("state", "node", "metrics")  # each with its own seq space and cursor
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
+    """One event of a feed: ``state`` (a job's event row: state change, placement, restart,
+    stop request; ``job_id``, ``state``, ``message``), ``node`` (a node's state change: ``node``,
+    ``state``) or ``metrics`` (a job's metric summary: ``job_id``, ``step``, ``values``, the
+    latest point of each rank that reported since the last summary, averaged)."""
+
     seq: int
     time: float
-    job_id: str
-    state: str
-    message: str
-
-    @property
-    def kind(self) -> str:
-        return "state"
+    kind: str = "state"
+    job_id: str = ""
+    node: str = ""
+    state: str = ""
+    message: str = ""
+    step: int | None = None
+    values: dict[str, float] | None = None
 
     def routing_key(self) -> str:
-        """``job.<id>.state``: a topic exchange binds e.g. ``job.*.state`` or ``job.job-7.#``."""
+        """``job.<id>.state``, ``job.<id>.metrics`` or ``node.<name>.state``: a topic exchange
+        binds e.g. ``job.*.state``, ``job.job-7.#`` or ``node.#``."""
+        if self.kind == "node":
+            return f"node.{self.node}.state"
         return f"job.{self.job_id}.{self.kind}"
 
+    def key(self) -> str:
+        """What keeps a subject's events in order in Kafka: the job id, or the node's name."""
+        return self.node if self.kind == "node" else self.job_id
+
     def body(self) -> bytes:
-        return json.dumps({"schema": SCHEMA, "seq": self.seq, "time": self.time, "job": self.job_id,
-                           "kind": self.kind, "state": self.state, "message": self.message},
-                          separators=(",", ":")).encode()
+        out: dict = {"schema": SCHEMA, "seq": self.seq, "time": self.time, "kind": self.kind}
+        if self.kind == "node":
+            out.update(node=self.node, state=self.state)
+        elif self.kind == "metrics":
+            out.update(job=self.job_id, step=self.step, values=self.values)
+        else:
+            out.update(job=self.job_id, state=self.state, message=self.message)
+        return json.dumps(out, separators=(",", ":")).encode()
 
     @classmethod
     def from_body(cls, data: bytes) -> "Event":
         d = json.loads(data)
-        return cls(seq=d["seq"], time=d["time"], job_id=d["job"], state=d["state"], message=d["message"])
+        return cls(seq=d["seq"], time=d["time"], kind=d.get("kind", "state"), job_id=d.get("job", ""),
+                   node=d.get("node", ""), state=d.get("state", ""), message=d.get("message", ""),
+                   step=d.get("step"), values=d.get("values"))
+
+
+def metric_summaries(points: Sequence[tuple[int, str, int, int, float, dict]]) -> list[Event]:
+    """One ``metrics`` event per job from metric rows ``(id, job_id, rank, step, time, values)``
+    (in id order): the latest point of each rank, values averaged over the ranks, the highest
+    step; its seq is the job's last row id, so summaries are in seq order by their last row."""
+    latest: dict[str, dict[int, tuple[int, int, float, dict]]] = {}
+    for row_id, job, rank, step, at, values in points:
+        latest.setdefault(job, {})[rank] = (row_id, step, at, values)
+    out = []
+    for job, ranks in latest.items():
+        rows = list(ranks.values())
+        names = sorted({k for *_, values in rows for k in values})
+        averaged = {k: sum(v[k] for *_, v in rows if k in v) / sum(1 for *_, v in rows if k in v) for k in names}
+        out.append(Event(seq=max(r[0] for r in rows), time=max(r[2] for r in rows), kind="metrics", job_id=job,
+                         step=max(r[1] for r in rows), values=averaged))
+    return sorted(out, key=lambda e: e.seq)
 
 
 def next_cursor(cursor: int, batch: Sequence[Event], confirmed: int) -> int:

@@ -8,10 +8,10 @@ idempotent. A sink is used by one thread (its relay's).
 
 - ``AmqpSink``: RabbitMQ over AMQP 0-9-1 with pika's blocking connection: a durable topic
   exchange, persistent messages (delivery mode 2), publisher confirms for the whole batch
-  (``_BatchConfirms``); ``message_id`` and the ``seq`` header carry the seq.
+  (``_BatchConfirms``); ``message_id`` and the ``seq`` and ``kind`` headers carry the seq.
 - ``KafkaSink``: confluent-kafka's producer, idempotent (``enable.idempotence``: no duplicates
-  or reordering from its own retries), ``acks=all``, key = job id (a job's events stay in one
-  partition, in order); ``publish`` flushes and counts the delivery reports.
+  or reordering from its own retries), ``acks=all``, key = job id (node name for node events:
+  a subject's events stay in one partition, in order); ``publish`` flushes and counts the delivery reports.
 """
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ class AmqpSink:
             return self._confirms.publish(
                 (self.url.name, event.routing_key(), event.body(),
                  pika.BasicProperties(delivery_mode=2, content_type="application/json",
-                                      message_id=str(event.seq), headers={"seq": event.seq}))
+                                      message_id=f"{event.kind}-{event.seq}",
+                                      headers={"seq": event.seq, "kind": event.kind}))
                 for event in events)
         except Exception as exc:  # noqa: BLE001 - a lost connection, a blocked or silent broker
             self.close()
@@ -156,12 +157,13 @@ class KafkaSink:
                                        "logger": log})
         delivered: dict[int, bool] = {}
 
-        def report(err, msg) -> None:  # noqa: ANN001 - confluent-kafka's callback
-            delivered[int(msg.headers()[0][1])] = err is None
+        def reporter(seq: int):  # a delivery report carries no headers: each message its own callback
+            return lambda err, _msg: delivered.__setitem__(seq, err is None)
 
         for event in events:
-            self._producer.produce(self.url.name, key=event.job_id.encode(), value=event.body(),
-                                   headers=[("seq", str(event.seq).encode())], on_delivery=report)
+            self._producer.produce(self.url.name, key=event.key().encode(), value=event.body(),
+                                   headers=[("seq", str(event.seq).encode()), ("kind", event.kind.encode())],
+                                   on_delivery=reporter(event.seq))
         self._producer.flush(self.timeout_s + 2)
         done = 0
         for event in events:
