@@ -5,8 +5,8 @@
   server with ``--events amqp://…`` while jobs are submitted and cancelled: the latency from the
   server's commit of an event (its ``time``) to a consumer's receipt, p50/p95. RabbitMQ: a
   private node (tests/services/rabbitmq.py).
-- kafka: ``rt.kafka_loader`` vs a raw confluent-kafka consumer of the same topic, both decoding
-  and collating the same records (librdkafka's mock cluster, or ``--kafka HOST:PORT``): records/s.
+- kafka: ``rt.kafka_loader`` vs a raw confluent-kafka consumer of the same topic (``consume``
+  of up to 1,000 messages a call, as the loader reads), both decoding and collating the same records (librdkafka's mock cluster, or ``--kafka HOST:PORT``): records/s.
 - stream training: the digits MLP's step time reading its batches from that topic (binary
   records, one DataLoader worker) vs from memory (a ``TensorDataset`` DataLoader): ratio
   memory / stream.
@@ -180,14 +180,14 @@ def raw_kafka(bootstrap: str, topic: str, total: int, batch: int) -> float:
     got, pending = 0, []
     t = time.perf_counter()
     while got < total:
-        msg = consumer.poll(0.5)
-        if msg is None or msg.error():
-            continue
-        pending.append(decode(msg.value()))
-        got += 1
-        if len(pending) == batch:
-            default_collate(pending)
-            pending = []
+        for msg in consumer.consume(num_messages=1000, timeout=0.5):
+            if msg.error():
+                continue
+            pending.append(decode(msg.value()))
+            got += 1
+            if len(pending) == batch:
+                default_collate(pending)
+                pending = []
     elapsed = time.perf_counter() - t
     consumer.close()
     return total / elapsed

@@ -92,20 +92,18 @@ class KafkaSource:
                 return
             consumer.assign([TopicPartition(self.topic, p, starts[p]) for p in sorted(todo)])
             while todo:
-                msg = consumer.poll(0.5)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                for msg in consumer.consume(num_messages=1000, timeout=0.5):  # many per call: far cheaper
+                    if msg.error():
+                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                            continue
+                        raise StreamError(f"{self.name}: {msg.error()}")
+                    p, offset = msg.partition(), msg.offset()
+                    if ends is not None and offset >= ends[p]:
+                        todo.discard(p)
                         continue
-                    raise StreamError(f"{self.name}: {msg.error()}")
-                p, offset = msg.partition(), msg.offset()
-                if ends is not None and offset >= ends[p]:
-                    todo.discard(p)
-                    continue
-                yield p, offset, msg.value()
-                if ends is not None and offset + 1 >= ends[p]:
-                    todo.discard(p)
+                    yield p, offset, msg.value()
+                    if ends is not None and offset + 1 >= ends[p]:
+                        todo.discard(p)
         finally:
             consumer.close()
 
