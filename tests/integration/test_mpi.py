@@ -85,7 +85,7 @@ def test_unchanged_mpi4py_script_is_one_world_across_two_agents(mpi_cluster):
     assert wait_gone(mpi_cluster.home) == []
 
 
-def test_ddp_script_launched_by_mpirun_trains_on_gloo(mpi_cluster):
+def test_ddp_script_launched_by_mpirun_trains_and_checkpoints_with_torchrelay_train(mpi_cluster):
     with RelayClient(mpi_cluster.address) as c:
         info = c.submit(mpi_spec("python ddp_mpi.py", workers_per_node=1), base_dir=JOBS)  # torch: 2 ranks
         final = c.wait(info.id, timeout=150)
@@ -94,6 +94,9 @@ def test_ddp_script_launched_by_mpirun_trains_on_gloo(mpi_cluster):
     done = [t for t in texts if t.startswith("ddp rank ")]
     assert len(done) == 2 and all("same on all ranks" in t for t in done), texts
     assert len({t.split("params=")[1] for t in done}) == 1
+    assert final.last_metrics.get("loss") is not None  # rt.report's metrics reached the server
+    committed = mpi_cluster.home / "store" / "jobs" / info.id / "checkpoints" / "step-0000000005"
+    assert (committed / "MANIFEST.json").exists()  # TrainState's checkpoint, committed by both ranks
 
 
 def test_failing_rank_is_blamed_and_the_whole_world_ends(mpi_cluster):
