@@ -281,7 +281,7 @@ def bench_mpi(rounds: int) -> dict:
                 job = client.submit(spec, base_dir=work / "job")
                 final = client.wait(job.id, timeout=300)
                 assert final.state == JobState.SUCCEEDED, final.failure
-                line = next(x.text for x in client.follow_logs(job.id, wait=0) if "ALLREDUCE_MEDIAN_S" in x.text)
+                line = next(x.text for x in client.iter_logs(job.id) if "ALLREDUCE_MEDIAN_S" in x.text)
                 platform_times.append(float(line.split()[1]))
     finally:
         stop_cluster(cluster.home)

@@ -75,7 +75,7 @@ def test_unchanged_mpi4py_script_is_one_world_across_two_agents(mpi_cluster):
         final = c.wait(info.id, timeout=120)
         assert final.state == JobState.SUCCEEDED, final.failure
         assert sorted(p.node_name for p in final.placement) == ["agent-0", "agent-1"]  # not agent-2
-        lines = {(line.rank, line.text) for line in c.follow_logs(info.id, wait=0)}
+        lines = {(line.rank, line.text) for line in c.iter_logs(info.id)}
     assert {(r, f"mpi rank {r}/4 sum=10") for r in range(4)} <= lines  # each rank's own log, by rank
     # node 1's ranks ran under the daemon its own agent started, and wrote their rank logs there
     node1 = {p.node_rank: p.node_name for p in final.placement}[1]
@@ -90,7 +90,7 @@ def test_ddp_script_launched_by_mpirun_trains_and_checkpoints_with_torchrelay_tr
         info = c.submit(mpi_spec("python ddp_mpi.py", workers_per_node=1), base_dir=JOBS)  # torch: 2 ranks
         final = c.wait(info.id, timeout=150)
         assert final.state == JobState.SUCCEEDED, final.failure
-        texts = [line.text for line in c.follow_logs(info.id, wait=0)]
+        texts = [line.text for line in c.iter_logs(info.id)]
     done = [t for t in texts if t.startswith("ddp rank ")]
     assert len(done) == 2 and all("same on all ranks" in t for t in done), texts
     assert len({t.split("params=")[1] for t in done}) == 1
@@ -117,7 +117,7 @@ def test_a_failed_mpi_world_restarts_as_a_new_world(mpi_cluster):
         final = c.wait(info.id, timeout=150)
         assert final.state == JobState.SUCCEEDED, final.failure
         assert final.restarts == 1 and final.restart_reasons[0].rank == 3, final.restart_reasons
-        texts = [(line.attempt, line.text) for line in c.follow_logs(info.id, wait=0)]
+        texts = [(line.attempt, line.text) for line in c.iter_logs(info.id)]
     assert {(2, f"mpi rank {r}/4 sum=10") for r in range(4)} <= set(texts)
     assert wait_gone(mpi_cluster.home) == []
 
@@ -126,7 +126,7 @@ def test_cancel_ends_mpirun_daemons_and_ranks_on_every_node(mpi_cluster):
     with RelayClient(mpi_cluster.address) as c:
         info = c.submit(mpi_spec("python hello_mpi.py sleep", stop_grace_s=5), base_dir=JOBS)
         working: set[int] = set()
-        for line in c.follow_logs(info.id, wait=5):
+        for line in c.follow_logs(info.id):
             if "still working" in line.text:
                 working.add(line.rank)
                 if len(working) == 4:
