@@ -44,6 +44,10 @@ class StreamError(RelayError):
     http_status = 422
 
 
+class InsufficientMemory(InvalidSpec):
+    """A job's training state cannot fit the memory its workers have: names the figures and what would fit."""
+
+
 class ServerUnavailable(RelayError):
     """No torchrelay server answers at the address the client was given."""
 
@@ -72,7 +76,7 @@ class StaleAttempt(Conflict):
     checkpoints (an orphan on a node that lost contact); nothing was written."""
 
 
-_BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict,
+_BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             Unschedulable, ServerUnavailable, StorageError,
                                             CheckpointCorrupt, StaleAttempt)}
 

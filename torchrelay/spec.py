@@ -171,14 +171,42 @@ class PipelineStrategy(_Strict):
     microbatches: int = Field(default=8, ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     replicas: int = Field(default=1, ge=1)
+    data_parallel: Literal["ddp", "fsdp"] = Field(
+        default="ddp", description="how the replicas of a stage share it: ddp (each holds the whole stage, "
+        "gradients averaged) or fsdp (the stage's parameters, gradients and optimizer state sharded over them)")
+
+
+class FSDPStrategy(_Strict):
+    """Parameters, gradients and optimizer state sharded over the workers (FSDP2); optionally tensor
+    parallel inside groups of ``tensor_parallel`` workers on a 2-D device mesh (docs/strategies.md)."""
+
+    kind: Literal["fsdp"]
+    wrap: Union[Literal["auto"], list[str]] = Field(
+        default="auto", description="the units sharded (and gathered) one at a time: class names of "
+        "submodules, or auto (each child of a Sequential, else the model's repeated blocks)")
+    reshard_after_forward: bool = Field(default=True, description="free each unit's gathered parameters "
+                                        "after its forward (gathered again in backward): less memory, more traffic")
+    mixed_precision: Literal["none", "bf16", "fp16"] = Field(
+        default="none", description="parameters in this dtype for forward and backward; gradients reduced and "
+        "optimizer state kept in float32")
+    offload_optimizer: bool = Field(default=False, description="keep the sharded parameters, gradients and "
+                                    "optimizer state in CPU memory and step there (for GPU workers)")
+    tensor_parallel: int = Field(default=1, ge=1, description="workers per tensor-parallel group (1: none)")
+
+    @field_validator("wrap")
+    @classmethod
+    def _wrap_names(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"wrap={value!r} must be 'auto' or a non-empty list of module class names")
+        return value
 
 
 Strategy = Annotated[
     Union[DDPStrategy, LocalSGDStrategy, DiLoCoStrategy, FinalAverageStrategy,
-          ParameterServerStrategy, PipelineStrategy],
+          ParameterServerStrategy, PipelineStrategy, FSDPStrategy],
     Field(discriminator="kind"),
 ]
-STRATEGY_KINDS = ("ddp", "local_sgd", "diloco", "final_average", "parameter_server", "pipeline")
+STRATEGY_KINDS = ("ddp", "local_sgd", "diloco", "final_average", "parameter_server", "pipeline", "fsdp")
 
 
 class CheckpointPolicy(_Strict):
@@ -259,6 +287,15 @@ class JobSpec(_Strict):
         elif (nodes is None) != (per_node is None):
             raise ValueError("nodes and workers_per_node go together; give both or neither")
         return data
+
+    @model_validator(mode="after")
+    def _tensor_parallel_divides_workers(self) -> "JobSpec":
+        degree = getattr(self.strategy, "tensor_parallel", 1)
+        if self.workers % degree:
+            raise ValueError(f"strategy.tensor_parallel={degree} must divide workers={self.workers}: the "
+                             f"workers form a (data parallel × tensor parallel) mesh; use workers = "
+                             f"{degree} × k")
+        return self
 
     @property
     def argv(self) -> list[str]:

@@ -14,8 +14,9 @@ the job spec's strategy decides how ``prepare`` distributes it::
         if rt.checkpoint_due(step):
             rt.save_checkpoint({"model": model.state_dict()}, step)   # on every rank
     rt.finish()                                        # replicas agree (final averaging …)
+    full = rt.full_state_dict(model)                   # the whole model on rank 0 (fsdp gathers it)
     if ctx.is_main:
-        rt.save_artifact("model.pt", rt.unwrap(model).state_dict())
+        rt.save_artifact("model.pt", full)
     rt.shutdown()
 
 Imports nothing from ``torchrelay.server``. See docs/training-library.md.
@@ -33,10 +34,12 @@ from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 from torchrelay.train.resumable import ResumableStream
 from torchrelay.train.stream import ShardStream, stream
+from torchrelay.train.sharded.module import full_state_dict
 
 __all__ = [
     "Context", "LocalModule", "ResumableStream", "ShardStream", "TrainState", "artifact_url", "checkpoint_due",
-    "current_context", "finish", "flush_metrics", "init", "job_store", "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint",
-    "shard", "shard_indices", "should_stop", "shutdown", "stream", "unwrap", "wait_for_checkpoint", "wait_for_staging",
+    "current_context", "finish", "flush_metrics", "full_state_dict", "init", "job_store", "load_checkpoint",
+    "prepare", "report", "save_artifact", "save_checkpoint", "shard", "shard_indices", "should_stop", "shutdown",
+    "stream", "unwrap", "wait_for_checkpoint", "wait_for_staging",
     "StreamLoader", "kafka_loader", "rabbitmq_stream_loader",
 ]

@@ -9,7 +9,9 @@ Contract:
   A world of 1 without torchrun's rendezvous variables gets no process group at all.
 - ``prepare(model, optimizer)`` applies the strategy: DDP (a no-op wrapper with the same
   ``.module`` / ``no_sync()`` surface in a world of 1), or hands off to ``train.sync`` /
-  ``train.ps``. The optimizer it returns is remembered (``train.session``) and called through
+  ``train.ps`` / ``train.sharded`` (fsdp). First it checks that the training state fits the
+  worker's memory when the job gave one (``train.memory_check``: ``InsufficientMemory`` with
+  the figures). The optimizer it returns is remembered (``train.session``) and called through
   the ``StrategyOptimizer`` protocol (``train.prepared``): ``report()`` merges its ``metrics()``.
 - ``finish()`` lets the optimizer make replicas agree at the end (final averaging); collective.
 - ``shutdown()`` flushes metrics, closes the optimizer's connections (parameter server),
@@ -37,8 +39,10 @@ from torchrelay.train.checkpoint import wait_for_checkpoint
 from torchrelay.train.environment import Context, choose_backend, collective_timeout, context_from_env
 from torchrelay.train.preempt import install as install_stop_handler
 from torchrelay.train.report import close_writer, install_writer
+from torchrelay.train.memory_check import preflight
 from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
+from torchrelay.train.sharded.module import ShardedModule
 
 __all__ = ["Context", "LocalModule", "current_context", "finish", "init", "prepare", "shutdown", "unwrap"]
 
@@ -132,7 +136,7 @@ class LocalModule(torch.nn.Module):
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside whatever ``prepare`` wrapped it in (idempotent)."""
-    while isinstance(model, (LocalModule, torch.nn.parallel.DistributedDataParallel)):
+    while isinstance(model, (LocalModule, ShardedModule, torch.nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
 
@@ -147,6 +151,10 @@ def _strategy_prepare(kind: str) -> Callable[..., tuple[torch.nn.Module, Any]]:
         from torchrelay.train import ps  # loaded only by the jobs that use it
 
         return ps.prepare
+    if kind == "fsdp":
+        from torchrelay.train import sharded  # loaded only by the jobs that use it
+
+        return sharded.prepare
     if kind == "pipeline":
         raise InvalidSpec("strategy kind 'pipeline' cannot be applied by torchrelay.train.prepare(model, "
                           "optimizer): a pipeline cuts the model into stages; use torchrelay.train.pipeline")
@@ -164,6 +172,9 @@ def prepare(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, An
     ctx = init()
     kind = ctx.strategy.kind
     strategy_prepare = _strategy_prepare(kind)
+    if kind != "parameter_server":
+        # before anything is allocated: a state that cannot fit fails here, with the figures
+        preflight(model, optimizer, ctx.strategy, ctx.world_size, os.environ)
     if kind == "ddp" and ctx.world_size == 1:
         session.adopt_optimizer(optimizer)
         return LocalModule(model.to(ctx.device)), optimizer

@@ -23,7 +23,8 @@ Contract:
 - Collectives go over the default process group (gloo on CPU, nccl on GPU); every rank must
   make the same calls in the same order (``step``, ``finish``, ``before_checkpoint``).
 - ``prepare`` broadcasts rank 0's parameters first (DDP does the same), so replicas start equal.
-- ``SyncOptimizer.metrics()`` gives ``bytes_sent`` (bytes this process handed to collectives
+- ``SyncOptimizer.metrics()`` gives the rank's peak memory by kind (``memory_*``, train.memory_meter),
+  ``bytes_sent`` (bytes this process handed to collectives
   during the last step: counted where each collective is called, not estimated),
   ``bytes_sent_total`` and, after a step that synchronised parameters, ``divergence``:
   ``||theta_rank - mean(theta)|| / ||mean(theta)||`` over all synchronised parameters.
@@ -73,6 +74,7 @@ from torchrelay.spec import (
 )
 from torchrelay.train.balance import Balancer, StepClock, balancer_for
 from torchrelay.train.environment import validate_strategy
+from torchrelay.train.memory_meter import MemoryMeter
 from torchrelay.train.prepared import StrategyOptimizer
 
 __all__ = [
@@ -399,7 +401,7 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, kind: str, rules: Sequence[SyncRule],
-                 comm: Collective, model: torch.nn.Module | None = None) -> None:
+                 comm: Collective, model: torch.nn.Module | None = None, meter: MemoryMeter | None = None) -> None:
         self.clock = comm.clock
         self.balancer = comm.weights
         # Not calling Optimizer.__init__: the inner optimizer owns param_groups and state
@@ -409,6 +411,7 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
         self.rules = list(rules)
         self.comm = comm
         self.model = model  # for its buffers, which no strategy here synchronises
+        self.meter = meter  # the memory_* figures (train.memory_meter)
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
         self.steps_done = 0
@@ -466,7 +469,12 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
 
     def metrics(self) -> dict[str, float]:
         """This process's figures for the last step (see module doc). Does not communicate."""
-        return dict(self._metrics)
+        memory = self.meter.metrics() if self.meter is not None else {}
+        return {**memory, **self._metrics}
+
+    def close(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
 
     @property
     def replicas_identical(self) -> bool:
@@ -658,7 +666,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
     else:
         comm.broadcast_([p.data for p in params], counted=False)
     rules = build_rules(strategy, params, comm)
-    return model, SyncOptimizer(optimizer, kind=strategy.kind, rules=rules, comm=comm, model=model)
+    meter = MemoryMeter(model, optimizer)
+    return model, SyncOptimizer(optimizer, kind=strategy.kind, rules=rules, comm=comm, model=model, meter=meter)
 
 
 def finish(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -19,7 +19,7 @@ from torchrelay.client.cli.common import console, err_console, fail, handle_erro
 def run(ctx: typer.Context,
         workers: int = typer.Option(1, "--workers", "-w", min=1, help="worker processes"),
         strategy: str = typer.Option("ddp", "--strategy", help="ddp | local_sgd | diloco | final_average | "
-                                                               "parameter_server | pipeline"),
+                                                               "parameter_server | pipeline | fsdp"),
         name: str = typer.Option(None, help="job name (default: the folder's name)"),
         cpu: float = typer.Option(1.0, help="cpus per worker"),
         set_: list[str] = typer.Option([], "--set", help="override a spec field: key=value"),

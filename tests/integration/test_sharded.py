@@ -1,0 +1,197 @@
+"""fsdp through torchrelay.train on real gloo ranks: equal to one process on the whole batch, checkpoints that
+move between world sizes, the full model on rank 0 only when asked.
+
+This file is also the worker script (``python test_sharded.py SCENARIO RANK WORLD PORT OUT_DIR``, run by
+``tests/rank_scripts.run_ranks``); each rank writes ``OUT_DIR/SCENARIO-RANK.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, BATCH, LR = 4, 16, 0.05
+
+
+class Tied(nn.Module):
+    """Input and output layers share one weight; the middle is a Sequential (the automatic units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.out = nn.Linear(8, 8)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+class Normalize(nn.Module):
+    """Fixed input statistics as buffers, and a buffer counting forwards (changed in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.linspace(-1, 1, 8))
+        self.register_buffer("std", torch.linspace(0.5, 2, 8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (x - self.mean) / self.std
+
+
+def buffered() -> nn.Module:
+    return nn.Sequential(Normalize(), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+MODELS = {"tied": Tied, "buffers": buffered}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 8, generator=g)
+
+
+def reference(name: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole batch: the parameters after ``steps`` and each step's loss."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def _setup(rank: int, world: int, port: int, strategy: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RELAY_STRATEGY=json.dumps(strategy))
+
+
+def _train(model, opt, first: int, last: int, rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    share = BATCH // world
+    for step in range(first, last + 1):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def scenario_equal(name: str, rank: int, world: int) -> dict:
+    import torchrelay.train as rt
+
+    torch.manual_seed(rank)  # ranks start apart: prepare makes them rank 0's model
+    model = MODELS[name]()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    model, opt = rt.prepare(model, opt)
+    _train(model, opt, 1, STEPS, rank, world)
+    full = rt.full_state_dict(model)
+    memory = {k: v for k, v in opt.metrics().items() if k.startswith("memory_")}
+    out = {"keys": sorted(full), "memory": memory,
+           "local_parameters": sum(p.to_local().numel() for p in rt.unwrap(model).parameters())}
+    if rank == 0:
+        expected, _ = reference(name, STEPS)
+        out["max_diff"] = max((full[k].float() - v.float()).abs().max().item() for k, v in expected.items())
+        out["expected_keys"] = sorted(expected)
+    return out
+
+
+def scenario_checkpoint(phase: str, rank: int, world: int) -> dict:
+    import torchrelay.train as rt
+
+    torch.manual_seed(0)
+    model, opt = _prepared_buffers()
+    state = rt.TrainState(model, opt)
+    if phase == "save":
+        losses = _train(model, opt, 1, 3, rank, world)
+        state.step = 3
+        state.save(async_=False)
+        losses += _train(model, opt, 4, 2 * 3, rank, world)
+        return {"losses": losses}
+    assert state.restore(), "no checkpoint to resume from"
+    return {"resumed_at": state.step, "losses": _train(model, opt, state.step + 1, 2 * 3, rank, world)}
+
+
+def _prepared_buffers():
+    import torchrelay.train as rt
+
+    model = buffered()
+    return rt.prepare(model, torch.optim.Adam(model.parameters(), lr=LR))
+
+
+def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
+    import torchrelay.train as rt
+
+    kind, _, arg = scenario.partition("-")
+    _setup(rank, world, port, {"kind": "fsdp"})
+    os.environ["RELAY_OUTPUT_DIR"] = str(Path(out_dir) / "store")
+    rt.init()
+    if kind == "equal":  # both models in one launch: starting ranks is the slow part
+        result = {name: scenario_equal(name, rank, world) for name in MODELS}
+    else:
+        result = scenario_checkpoint(arg, rank, world)
+    rt.shutdown()
+    Path(out_dir, f"{scenario}-{rank}.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def _run(tmp_path: Path, world: int, scenario: str) -> list[dict]:
+    from rank_scripts import run_ranks
+
+    return run_ranks(__file__, tmp_path, world, scenario)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_equals_one_process_on_the_whole_batch(tmp_path: Path, world: int) -> None:
+    """A model with a shared weight and one with buffers (one changed in place by every forward)."""
+    launched = _run(tmp_path, world, "equal")
+    for name in MODELS:
+        results = [r[name] for r in launched]
+        head = results[0]
+        assert head["keys"] == head["expected_keys"]  # rank 0 holds the whole model, under the user's own names
+        assert head["max_diff"] < 1e-5, (name, head)
+        assert all(r["keys"] == [] for r in results[1:])  # the other ranks gathered nothing
+        full = sum(v.numel() for v in MODELS[name]().parameters())
+        for r in results:  # each rank keeps about 1/world of the parameters
+            assert r["local_parameters"] <= full / world + 64, (name, r["local_parameters"], full)
+            assert r["memory"]["memory_optimizer_state"] > 0 and r["memory"]["memory_activations"] > 0
+
+
+def test_checkpoint_saved_on_four_resumes_on_two_with_the_same_loss(tmp_path: Path) -> None:
+    saved = _run(tmp_path, 4, "checkpoint-save")
+    resumed = _run(tmp_path, 2, "checkpoint-resume")
+    assert resumed[0]["resumed_at"] == 3
+    uninterrupted = saved[0]["losses"][3:]
+    assert resumed[0]["losses"] == pytest.approx(uninterrupted, rel=1e-5, abs=1e-7)
+    _, ref_losses = reference("buffers", 6)
+    assert saved[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
