@@ -66,6 +66,12 @@ def test_worker_environment(gpus, node_gpu_type, expected):
     assert {k: v for k, v in env.items() if k in ("RELAY_ACCELERATOR", "RELAY_GPUS_PER_WORKER", "RELAY_GPU_TYPE")} \
         == expected
     assert base.granted(gpus, node_gpu_type).variables(base.job_variables()) == env
+    assert "RELAY_MEMORY_PER_WORKER" not in env  # no resources.memory: no limit for prepare to check
+
+
+def test_worker_environment_carries_the_memory_per_worker():
+    env = WorkerEnvironment.of_spec(spec(workers=2, resources={"memory": "1.5GiB"})).variables()
+    assert env["RELAY_MEMORY_PER_WORKER"] == str(3 << 29)
 
 
 @pytest.mark.parametrize("own_grace, master, expected_grace, expected_master", [

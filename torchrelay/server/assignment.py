@@ -70,13 +70,15 @@ class WorkerEnvironment:
     worker ranks), RELAY_ACCELERATOR (``gpu`` or ``cpu``: what was granted, which for
     accelerator "prefer" may be CPUs although GPUs were asked for), RELAY_GPUS_PER_WORKER and,
     with GPUs, RELAY_GPU_TYPE (the node's); RELAY_MIXED_DEVICES=1 for a job of accelerator "any"
-    (its ranks may run on different devices: every rank builds a gloo group)."""
+    (its ranks may run on different devices: every rank builds a gloo group); RELAY_MEMORY_PER_WORKER
+    (bytes of ``resources.memory``, when given: ``prepare`` refuses a training state that cannot fit it)."""
 
     job_name: str
     layout: RankLayout
     strategy: Strategy
     checkpoint: CheckpointPolicy
     user_env: Mapping[str, str]
+    memory_per_worker: int = 0
     gpus_per_worker: int = 0
     gpu_type: str | None = None
     mixed_devices: bool = False
@@ -85,7 +87,7 @@ class WorkerEnvironment:
     def of_spec(cls, spec: JobSpec) -> WorkerEnvironment:
         """The environment of ``spec``'s launches before accelerators are granted."""
         return cls(job_name=spec.name, layout=RankLayout.of_spec(spec), strategy=spec.strategy,
-                   checkpoint=spec.checkpoint, user_env=spec.env,
+                   checkpoint=spec.checkpoint, user_env=spec.env, memory_per_worker=spec.resources.memory,
                    mixed_devices=spec.resources.accelerator_mode == "any")
 
     def granted(self, gpus_per_worker: int, node_gpu_type: str | None) -> WorkerEnvironment:
@@ -105,6 +107,8 @@ class WorkerEnvironment:
         env["RELAY_WORKERS"] = str(self.layout.workers)
         if self.mixed_devices:
             env["RELAY_MIXED_DEVICES"] = "1"
+        if self.memory_per_worker:
+            env["RELAY_MEMORY_PER_WORKER"] = str(self.memory_per_worker)
         return env
 
     def variables(self, job_variables: Mapping[str, str] | None = None) -> dict[str, str]:

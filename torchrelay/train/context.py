@@ -40,6 +40,7 @@ from torchrelay.train.environment import Context, choose_backend, collective_tim
 from torchrelay.train.preempt import install as install_stop_handler
 from torchrelay.train.report import close_writer, install_writer
 from torchrelay.train.memory_check import preflight
+from torchrelay.train.memory_profile import ProfileOptimizer, profiling
 from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 from torchrelay.train.sharded.module import ShardedModule
@@ -172,6 +173,9 @@ def prepare(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, An
     ctx = init()
     kind = ctx.strategy.kind
     strategy_prepare = _strategy_prepare(kind)
+    if profiling(os.environ):  # `relay submit --dry-run --profile`: one process, the figures, then exit
+        session.adopt_optimizer(ProfileOptimizer(optimizer, model, ctx.strategy, os.environ))
+        return LocalModule(model.to(ctx.device)), session.optimizer
     if kind != "parameter_server":
         # before anything is allocated: a state that cannot fit fails here, with the figures
         preflight(model, optimizer, ctx.strategy, ctx.world_size, os.environ)

@@ -54,13 +54,17 @@ def rank_lines(ranks: dict) -> list[str]:
 @handle_errors
 def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> None:
     """Show a job: state, placement, restarts, failure (rank, exit code, last lines), metrics, events."""
-    plan = None
+    plan = layout = None
     with client() as c:
         j = c.job(job_id)
-        if j.spec.get("strategy", {}).get("kind") == "pipeline":
-            plan = _pipeline_plan(c, j.id)
+        strategy = j.spec.get("strategy", {})
+        if strategy.get("kind") == "pipeline":
+            plan = _artifact_json(c, j.id, "pipeline-plan.json")
+        if strategy.get("kind") == "fsdp" or strategy.get("data_parallel") == "fsdp":
+            layout = _artifact_json(c, j.id, "sharded-layout.json")
     if output == Output.json:
-        return print_json({**dump(j), **({"pipeline_plan": plan} if plan else {})})
+        return print_json({**dump(j), **({"pipeline_plan": plan} if plan else {}),
+                           **({"sharded_layout": layout} if layout else {})})
     console.print(f"[bold]{j.id}[/] {j.name}  {styled_state(j.state.value)}  user={j.user}  "
                   f"attempt={j.attempt} restarts={j.restarts}")
     spec = j.spec
@@ -91,10 +95,11 @@ def status(job_id: str = typer.Argument(...), output: Output = OutputOpt) -> Non
                       + (f" (exit code {f.exit_code})" if f.exit_code is not None else ""), highlight=False)
         for line in f.last_lines[-20:]:
             console.print(f"    | {line}", markup=False, highlight=False)
-    if plan:
-        console.print("  pipeline plan:")
-        for line in str(plan.get("text", "")).splitlines():
-            console.print(f"    {line}", markup=False, highlight=False)
+    for title, shown in (("pipeline plan", plan), ("sharded layout", layout)):
+        if shown:
+            console.print(f"  {title}:")
+            for line in str(shown.get("text", "")).splitlines():
+                console.print(f"    {line}", markup=False, highlight=False)
     if j.events:
         console.print("  events:")
         for e in j.events:
@@ -118,13 +123,13 @@ def cancel(job_id: str = typer.Argument(...), wait: bool = typer.Option(True, he
     console.print(f"{info.id} {styled_state(info.state.value)}")
 
 
-def _pipeline_plan(c, job_id: str) -> dict | None:  # noqa: ANN001
-    """The partitioner's plan the job's rank 0 saved as an artifact, if it did yet."""
+def _artifact_json(c, job_id: str, name: str) -> dict | None:  # noqa: ANN001
+    """A JSON artifact the job's rank 0 saved (the pipeline plan, the sharded layout), if it did yet."""
     import json
 
     from torchrelay.errors import NotFound
 
     try:
-        return json.loads(c.artifact_bytes(job_id, "pipeline-plan.json"))
+        return json.loads(c.artifact_bytes(job_id, name))
     except (NotFound, ValueError):
         return None
