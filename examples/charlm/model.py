@@ -64,11 +64,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
-        heads = lambda t: t.view(batch, time, self.n_heads, width // self.n_heads).transpose(1, 2)  # noqa: E731
-        attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, width))
+        # qkv's outputs lie head by head ([q k v] of head 0, then of head 1, …): a column split of
+        # qkv (tensor parallel) leaves whole heads on each rank, which then attend on their own
+        # (``-1``: the heads this rank holds)
+        qkv = self.qkv(self.norm1(x)).view(batch, time, -1, 3, width // self.n_heads)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, -1))
         return x + self.mlp(self.norm2(x))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Megatron's split for ``strategy: {kind: fsdp, tensor_parallel: N}`` (N must divide n_heads):
+        qkv and the MLP's first layer by output columns, proj and the MLP's second by input rows."""
+        return {"qkv": "colwise", "proj": "rowwise", "mlp.0": "colwise", "mlp.2": "rowwise"}
 
 
 class Head(nn.Module):

@@ -11,7 +11,7 @@ Contract:
   nothing, a ``Sequential`` of ``Linear``, element-wise layers, ``Linear`` (an MLP) becomes
   colwise then rowwise, pairwise. Pure: reads the module tree. Raises ``InvalidSpec`` when the
   plan is empty (nothing to split) or names something that is not a ``Linear``, or when a
-  colwise layer's output features do not divide by the degree.
+  layer's split features (or a declaring module's ``n_heads``) do not divide by the degree.
 - ``apply_tensor_parallel(model, mesh, plan)`` applies it in place (``parallelize_module``) and
   returns the names it split. Collective over the mesh only through the DTensors it makes.
 """
@@ -58,6 +58,10 @@ def tensor_parallel_plan(model: nn.Module, degree: int = 2) -> dict[str, str]:
             continue
         own = getattr(module, "tensor_parallel_plan", None)
         if callable(own):
+            heads = getattr(module, "n_heads", None)
+            if isinstance(heads, int) and heads % degree:
+                raise InvalidSpec(f"tensor parallel: {name or 'the model'} has {heads} attention heads, not "
+                                  f"divisible by tensor_parallel={degree}; each rank must hold whole heads")
             declared.append(name)
             plan.update({f"{prefix}{k}": v for k, v in dict(own()).items()})
         elif isinstance(module, nn.Sequential):
