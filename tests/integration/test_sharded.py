@@ -201,17 +201,56 @@ def scenario_tensor_parallel(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_pipeline(rank: int, world: int) -> dict:
+    """The char LM cut in 2 stages × 2 replicas, each stage sharded over its replicas; blocks on meta."""
+    import copy
+
+    import torchrelay.train as rt
+    from torchrelay.train import pipeline as pp
+    from torchrelay.train.pipeline import materialize_module
+
+    lm = charlm()
+    cfg = lm.CharLMConfig(vocab_size=12, context=8, d_model=16, n_heads=2, n_layers=2)
+    meta = pp.build_on_meta(lambda: lm.build_blocks(cfg))
+    pipe = pp.prepare(copy.deepcopy(meta), lm.lm_loss, ctx=rt.current_context(), plan=[0, 2], seed=7)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    reference = torch.nn.Sequential(*[materialize_module(copy.deepcopy(b), "cpu", 7 + i) for i, b in enumerate(meta)])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    half = BATCH // 2 // 2
+    losses, ref_losses = [], []
+    for step in range(1, STEPS + 1):
+        x, y = charlm_batch(step)
+        mine = slice(pipe.replica * half, (pipe.replica + 1) * half)
+        loss = pipe.step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+        ref_loss = lm.lm_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    local = sum(p.to_local().numel() for p in pipe.parameters())
+    stage_full = sum(p.numel() for i in pipe.blocks for p in reference[i].parameters())
+    return {"stage": pipe.stage, "replica": pipe.replica, "losses": losses, "reference": ref_losses,
+            "local": local, "stage_full": stage_full}
+
+
 def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
     import torchrelay.train as rt
 
     kind, _, arg = scenario.partition("-")
-    _setup(rank, world, port, {"kind": "fsdp", "tensor_parallel": 2} if kind == "tp" else {"kind": "fsdp"})
+    strategies = {"tp": {"kind": "fsdp", "tensor_parallel": 2},
+                  "pipe": {"kind": "pipeline", "stages": 2, "replicas": 2, "microbatches": 2, "data_parallel": "fsdp"}}
+    _setup(rank, world, port, strategies.get(kind, {"kind": "fsdp"}))
     os.environ["RELAY_OUTPUT_DIR"] = str(Path(out_dir) / "store")
     rt.init()
     if kind == "equal":  # both models in one launch: starting ranks is the slow part
         result = {name: scenario_equal(name, rank, world) for name in MODELS}
     elif kind == "tp":
         result = scenario_tensor_parallel(rank, world)
+    elif kind == "pipe":
+        result = scenario_pipeline(rank, world)
     else:
         result = scenario_checkpoint(arg, rank, world)
     rt.shutdown()
@@ -258,6 +297,16 @@ def test_tensor_parallel_times_fsdp_on_two_by_two_equals_one_process(tmp_path: P
     assert results[0]["max_diff"] < 1e-5, results[0]
     # qkv (48 × 16) split by output rows over tp, then by FSDP over dp: 12 rows per rank
     assert all(r["qkv_local"] == [12, 16] for r in results), results
+
+
+def test_pipeline_stages_sharded_over_their_replicas_train_as_the_unsplit_model(tmp_path: Path) -> None:
+    results = _run(tmp_path, 4, "pipe")
+    assert sorted((r["replica"], r["stage"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    last = [r for r in results if r["stage"] == 1]
+    pipelined = [(a + b) / 2 for a, b in zip(last[0]["losses"], last[1]["losses"])]  # each replica: half the batch
+    assert pipelined == pytest.approx(results[0]["reference"], rel=1e-5)
+    for r in results:  # each rank holds half of its stage
+        assert r["local"] == pytest.approx(r["stage_full"] / 2, abs=16), r
 
 
 if __name__ == "__main__":

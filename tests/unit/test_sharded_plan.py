@@ -80,11 +80,14 @@ def test_mesh_shape_refuses(world: int, tp: int, stages: int, match: str) -> Non
         mesh_shape(world, tensor_parallel=tp, stages=stages)
 
 
-def test_mesh_coordinates_put_tensor_parallel_ranks_next_to_each_other() -> None:
+def test_mesh_coordinates_put_tensor_parallel_ranks_and_a_replicas_stages_next_to_each_other() -> None:
     shape = MeshShape(pp=2, dp=2, tp=2)
     assert [shape.coordinates(r) for r in (0, 1, 2, 5, 7)] == [
-        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1}, {"pp": 0, "dp": 1, "tp": 0},
-        {"pp": 1, "dp": 0, "tp": 1}, {"pp": 1, "dp": 1, "tp": 1}]
+        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1}, {"pp": 1, "dp": 0, "tp": 0},
+        {"pp": 0, "dp": 1, "tp": 1}, {"pp": 1, "dp": 1, "tp": 1}]
+    pipeline = MeshShape(pp=2, dp=2)  # rank = replica × stages + stage, as the pipeline lays ranks out
+    assert [(pipeline.coordinates(r)["dp"], pipeline.coordinates(r)["pp"]) for r in range(4)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
     assert shape.text() == "pp 2 × dp 2 × tp 2"
     with pytest.raises(ValueError):
         shape.coordinates(8)
@@ -201,3 +204,17 @@ def test_spec_accepts_fsdp() -> None:
                           "strategy": {"kind": "fsdp", "tensor_parallel": 2, "wrap": ["Block"]}})
     assert spec.strategy.kind == "fsdp" and spec.strategy.reshard_after_forward is True
     assert JobSpec.parse(spec.to_public()) == spec
+
+
+def test_the_partitioner_plans_with_each_stages_sharded_memory() -> None:
+    from torchrelay.train.pipeline.partition import BlockCost, DeviceSpec, PlanInfeasible, plan_stages, sharded_costs
+
+    blocks = [BlockCost(time_s=1.0, param_bytes=400) for _ in range(4)]
+    devices = [DeviceSpec(mem_cap_bytes=600)] * 2  # a stage of two whole blocks needs 800
+    with pytest.raises(PlanInfeasible):
+        plan_stages(blocks, devices)
+    costs, reserve = sharded_costs(blocks, 4)
+    assert [c.param_bytes for c in costs] == [100] * 4 and reserve == 400  # one block gathered at a time
+    capped = [DeviceSpec(mem_cap_bytes=600 - reserve)] * 2
+    assert plan_stages(costs, capped).boundaries == (0, 2)  # first block of each stage
+    assert sharded_costs(blocks, 1) == (blocks, 0)

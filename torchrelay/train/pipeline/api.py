@@ -15,6 +15,11 @@ Contract:
   ``i`` initialised with seed ``seed + i``); blocks already on a device are moved.
 - Rank 0 writes the plan to ``$RELAY_METRICS_DIR/pipeline-plan.json`` (``publish_plan``)
   when that variable is set, for ``relay status`` to show.
+- ``data_parallel: fsdp`` (with ``replicas`` ≥ 2): each stage's blocks are sharded over the
+  stage's replicas in torchtitan's order — meta blocks, the plan (made with each rank's sharded
+  memory, ``sharded_costs``), ``fully_shard`` per block, then materialised one block at a time
+  (train.sharded.stages) — and rank 0 saves the mesh and what each rank holds as the artifact
+  ``sharded-layout.json`` for ``relay status``.
 - ``Pipeline.state_dict()`` holds only this stage's blocks, keyed by global block index
   (``"blocks.<i>.<param>"``), so stage checkpoints stitch into the whole model
   (``merge_stage_state_dicts``) and load into any other cut.
@@ -37,7 +42,7 @@ from torchrelay.train.allocator import keep_freed_memory
 from torchrelay.train.pipeline.meta import as_blocks, is_on_meta, materialize_module
 from torchrelay.train.pipeline.partition import (BlockCost, DeviceSpec, Link, Plan,
                                                  near_optimal_cuts, plan_from_boundaries,
-                                                 plan_stages)
+                                                 plan_stages, sharded_costs)
 from torchrelay.train.pipeline.profile import measure_link, profile_blocks, time_stage
 from torchrelay.train.pipeline.runtime import LeanPipeline, TorchPipeline
 from torchrelay.train.pipeline.shm import connect_neighbours
@@ -153,7 +158,8 @@ def _lean_runner(the_plan: Plan, own: dict[int, nn.Module], layout: list[list[in
         module, stage=stage, num_stages=num_stages, microbatches=strategy.microbatches,
         loss_fn=loss_fn, schedule=strategy.schedule, prev_rank=prev_rank,
         next_rank=next_rank, device=device, dp_group=dp_group, group=pp_group,
-        prev_channel=prev_channel, next_channel=next_channel)
+        prev_channel=prev_channel, next_channel=next_channel,
+        split_backward=strategy.data_parallel != "fsdp")
 
 
 def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
@@ -195,6 +201,9 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
         raise InvalidSpec(f"pipeline: stages={strategy.stages} × replicas={replicas} needs "
                           f"{num_stages * replicas} workers but the job has {world}; set "
                           f"workers to stages × replicas")
+    if strategy.data_parallel == "fsdp" and replicas < 2:
+        raise InvalidSpec(f"pipeline: data_parallel 'fsdp' shards each stage over its replicas, and "
+                          f"replicas={replicas} leaves none to shard over; set replicas >= 2")
     device = torch.device(device) if device is not None else getattr(ctx, "device", None) \
         or default_device()
     if device.type == "cpu":
@@ -220,12 +229,9 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     pp_group, dp_group = _process_groups(layout, rank, stage)
 
     my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
-    own: dict[int, nn.Module] = {}
-    for ps in my_plan_stages:
-        for i in the_plan.stages[ps].blocks:
-            block = blocks[i]
-            own[i] = materialize_module(block, device, seed + i) if is_on_meta(block) \
-                else block.to(device)
+    own = _own_blocks(blocks, the_plan, my_plan_stages, device, seed, strategy, dp_group, rank, num_stages)
+    if strategy.data_parallel == "fsdp":
+        dp_group = None  # each sharded block reduce-scatters its own gradients over the replicas
 
     if runtime == "lean":
         runner = _lean_runner(the_plan, own, layout, stage, replica, strategy, loss_fn, device,
@@ -241,6 +247,26 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
         publish_plan(the_plan)
     return Pipeline(plan=the_plan, stage=stage, replica=replica, num_stages=num_stages,
                     blocks=own, runner=runner)
+
+
+def _own_blocks(blocks, the_plan: Plan, my_plan_stages: list[int], device: torch.device, seed: int,
+                strategy: PipelineStrategy, dp_group, rank: int, num_stages: int) -> dict[int, nn.Module]:
+    """This rank's blocks on ``device``: materialised (block ``i`` under ``seed + i``) or moved, or under
+    ``data_parallel: fsdp`` sharded over the stage's replicas and then materialised. Collective under fsdp."""
+    indices = [i for ps in my_plan_stages for i in the_plan.stages[ps].blocks]
+    if strategy.data_parallel != "fsdp":
+        return {i: materialize_module(blocks[i], device, seed + i) if is_on_meta(blocks[i])
+                else blocks[i].to(device) for i in indices}
+    from torchrelay.train.sharded.layout import mesh_shape
+    from torchrelay.train.sharded.prepare import publish_layout
+    from torchrelay.train.sharded.stages import shard_stage_blocks, stage_holding
+
+    own = shard_stage_blocks({i: blocks[i] for i in indices}, dp_group, device, seed,
+                             lambda template, block_seed: materialize_module(template, "cpu", block_seed))
+    shape = mesh_shape(dist.get_world_size(), stages=num_stages)
+    full_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    publish_layout(shape, stage_holding(rank, shape, own, full_bytes), rank)
+    return own
 
 
 PLAN_FILE = "pipeline-plan.json"
@@ -302,6 +328,9 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
     cap = mem_cap_bytes
     if cap is None and device.type == "cuda":
         cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    if strategy.data_parallel == "fsdp":  # each rank holds 1/replicas of its stage, plus one block gathered
+        costs, reserve = sharded_costs(costs, strategy.replicas)
+        cap = None if cap is None else max(0, cap - reserve)
     # each rank's own block times, device and memory cap: stages may sit on different devices
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, ([c.time_s for c in costs], str(device), cap))

@@ -19,12 +19,17 @@ Contract:
 - ``exhaustive_plan`` tries every contiguous cut: the reference the tests compare against.
 - ``near_optimal_cuts`` lists a plan's neighbouring cuts predicted within a tolerance of it,
   which ``prepare`` then measures as whole stages (api.py).
+- ``sharded_costs(blocks, shards)``: the costs as each rank of a stage sharded over ``shards``
+  replicas (``data_parallel: fsdp``) sees them (parameter, gradient and optimizer bytes divided
+  by ``shards``; time and activations unchanged), and the bytes to hold back from every
+  device's cap for the one block gathered whole at a time (the largest block's bytes, all of
+  them: on the safe side).
 """
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Sequence
 
 import numpy as np
@@ -347,6 +352,15 @@ def _infeasible_message(costs: _Costs) -> str:
             f"{biggest}{' ' + b.name if b.name else ''} alone needs "
             f"{_mib(b.param_bytes)} + {_mib(b.stash_bytes)} per micro-batch. Use more stages, "
             f"devices with more memory, fewer micro-batches or the 1f1b schedule.")
+
+
+def sharded_costs(blocks: Sequence[BlockCost], shards: int) -> tuple[list[BlockCost], int]:
+    """(``blocks`` with parameter bytes per rank under sharding over ``shards``, bytes to hold back from
+    each cap); see the module docstring."""
+    if shards <= 1:
+        return list(blocks), 0
+    reserve = max((b.param_bytes for b in blocks), default=0)
+    return [replace(b, param_bytes=-(-b.param_bytes // shards)) for b in blocks], reserve
 
 
 def equal_split(num_blocks: int, num_stages: int) -> list[int]:

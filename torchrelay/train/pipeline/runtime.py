@@ -31,7 +31,9 @@ since gloo moves host memory only; that lets a GPU stage and a CPU stage share a
 
 On every stage but the first, the step's last backward is split (input gradient first, sent
 at once; then the weights' gradients while the previous stage runs its own last backward),
-which shortens the pipeline's drain; gradients are the same. ``last_trace`` records the last
+which shortens the pipeline's drain; gradients are the same (not for blocks sharded by FSDP:
+``split_backward=False``, the gradients of the gathered parameters must go through FSDP's
+hooks). ``last_trace`` records the last
 step's CPU time per action and ``replay_step`` turns the stages' traces into the step on
 idle cores (docs/pipeline.md, "Traces and replay").
 """
@@ -122,7 +124,8 @@ class LeanPipeline:
     def __init__(self, module: nn.Module, *, stage: int, num_stages: int, microbatches: int,
                  loss_fn: Callable, schedule: str, prev_rank: int | None,
                  next_rank: int | None, device: torch.device,
-                 dp_group=None, group=None, prev_channel=None, next_channel=None):
+                 dp_group=None, group=None, prev_channel=None, next_channel=None,
+                 split_backward: bool = True):
         self.module, self.stage, self.num_stages = module, stage, num_stages
         # same-host neighbours talk through shared memory (shm.py), others through gloo
         self.prev_channel, self.next_channel = prev_channel, next_channel
@@ -144,7 +147,9 @@ class LeanPipeline:
         # copies of its activations and gradients (a CPU neighbour then needs none)
         self._staged = torch.device(device).type != "cpu"
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._split_last = True  # off after a graph the split cannot handle (_backward_input)
+        # off after a graph the split cannot handle (_backward_input), and for FSDP-sharded blocks,
+        # whose gradients reach the shards only through FSDP's own hooks on the whole backward
+        self._split_last = split_backward
         # For the split: the stage's blocks and each one's trainable parameters. A plain
         # Sequential without hooks runs its children in turn, so they are the blocks; any
         # other module (a subclass may change forward) is one block.

@@ -1,9 +1,10 @@
 """The device mesh of a sharded job and what each rank holds. Pure: numbers in, values out.
 
-- ``MeshShape`` — sizes of the mesh's dimensions in torchtitan's order, outermost first:
-  ``pp`` (pipeline stages), ``dp`` (FSDP shards), ``tp`` (tensor-parallel group). Rank
-  ``r`` sits at ``(r // (dp·tp), (r // tp) % dp, r % tp)``: a tensor-parallel group is
-  consecutive ranks (the fastest link on one host), a stage's FSDP group strides by ``tp``.
+- ``MeshShape`` — sizes of the mesh's dimensions: ``pp`` (pipeline stages), ``dp`` (FSDP
+  shards: a stage's replicas), ``tp`` (tensor-parallel group). Rank ``r`` sits at
+  ``dp = r // (pp·tp)``, ``pp = (r // tp) % pp``, ``tp = r % tp``: a tensor-parallel group is
+  consecutive ranks (the fastest link on one host), and the stages of one replica are
+  consecutive too, as the pipeline lays them out (rank = replica × stages + stage).
   ``mesh_shape(world, tensor_parallel=…, stages=…)`` refuses a world the degrees do not divide
   (``InvalidSpec`` naming both).
 - ``Holding`` — one rank's share: its coordinates, the blocks (pipeline) and the fraction of each
@@ -44,7 +45,7 @@ class MeshShape:
     def coordinates(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.world_size}")
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        return {"pp": (rank // self.tp) % self.pp, "dp": rank // (self.pp * self.tp), "tp": rank % self.tp}
 
     def text(self) -> str:
         return " × ".join(f"{name} {size}" for name, size in self.dims)

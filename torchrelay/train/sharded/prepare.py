@@ -1,19 +1,18 @@
 """``prepare`` under ``strategy: {kind: fsdp}``: the steps in torchtitan's order, then the library's hooks.
 
 1. the mesh: ``dp × tp`` over the job's ranks (layout.py), built with ``init_device_mesh``;
-2. rank 0's parameters and buffers broadcast (replicas start equal, as under DDP), unless the
-   model is on the meta device (its parameters are made after sharding: step 5);
+2. rank 0's parameters and buffers broadcast (replicas start equal, as under DDP);
 3. tensor parallel on the ``tp`` dimension (``apply_tensor_parallel``), when ``tensor_parallel > 1``;
 4. FSDP on the ``dp`` dimension (``apply_fsdp``);
-5. a meta-device model is materialised: each rank allocates only its shards
-   (``to_empty``) and every module's ``reset_parameters()`` runs under ``seed``;
-6. the optimizer rebuilt over the shards (optimizer.py), the memory meter attached, and what
+5. the optimizer rebuilt over the shards (optimizer.py), the memory meter attached, and what
    this rank holds gathered to rank 0, printed and saved as the artifact ``sharded-layout.json``
    (``relay status`` shows it).
 
 Collective: every rank calls it with the same model structure. Returns ``(ShardedModule,
 ShardedOptimizer)``. Raises ``InvalidSpec`` for a mesh the workers do not fill, a tensor-parallel
-plan that cannot split the model, mixed precision the device lacks.
+plan that cannot split the model, mixed precision the device lacks, a model on the meta device
+(the pipeline with ``data_parallel: fsdp`` materialises meta blocks one at a time, stages.py;
+here the script builds the model).
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchrelay.errors import InvalidSpec
 from torchrelay.train.memory_meter import MemoryMeter, local_bytes
 from torchrelay.train.sharded.config import configs_of
 from torchrelay.train.sharded.fsdp import apply_fsdp, largest_unit_bytes
@@ -34,54 +34,38 @@ from torchrelay.train.sharded.optimizer import ShardedOptimizer, parameter_names
 from torchrelay.train.sharded.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 from torchrelay.train.sync import Collective
 
-__all__ = ["LAYOUT_FILE", "build_mesh", "materialize_sharded", "prepare", "publish_layout"]
+__all__ = ["LAYOUT_FILE", "build_mesh", "prepare", "publish_layout"]
 
 LAYOUT_FILE = "sharded-layout.json"
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> Any:
-    """The ``DeviceMesh`` of ``shape`` with its named dimensions (pp, dp, tp). Collective."""
+    """The ``DeviceMesh`` of ``shape`` with its named dimensions, in ``MeshShape``'s rank order. Collective."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
-
-
-@torch.no_grad()
-def materialize_sharded(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate a sharded meta model's shards on ``device`` and initialise every module (``reset_parameters``)."""
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    for module in model.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
-def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any, ctx: Any, *,
-            seed: int = 0) -> tuple[ShardedModule, ShardedOptimizer]:
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any,
+            ctx: Any) -> tuple[ShardedModule, ShardedOptimizer]:
     """Shard ``model`` and rebuild ``optimizer`` per ``strategy`` (see the module docstring). Collective."""
     fsdp_config, tp_config = configs_of(strategy)
     shape = mesh_shape(ctx.world_size, tensor_parallel=tp_config.degree)
     device = torch.device(ctx.device)
     names = parameter_names(model)
-    meta = _on_meta(model)
-    if not meta:
-        model = model.to(device)
-        if ctx.world_size > 1:
-            Collective(ctx.world_size).broadcast_([t.data for t in (*model.parameters(), *model.buffers())],
-                                                  counted=False)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise InvalidSpec("fsdp: the model is on the meta device; build it on the CPU before prepare(), or use "
+                          "the pipeline with data_parallel: fsdp, which materialises meta blocks one at a time")
+    model = model.to(device)
+    if ctx.world_size > 1:
+        Collective(ctx.world_size).broadcast_([t.data for t in (*model.parameters(), *model.buffers())],
+                                              counted=False)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     mesh = build_mesh(shape, device.type)
     tp_modules: list[str] = []
     if shape.tp > 1:
         tp_modules = apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, shape.tp))
     units, notes = apply_fsdp(model, mesh["dp"], fsdp_config, device.type)
-    if meta:
-        materialize_sharded(model, device, seed)
     gathered = largest_unit_bytes(model, units) // max(1, shape.tp) if shape.dp > 1 else 0
     inner = rebuild_optimizer(optimizer, names, model)
     meter = MemoryMeter(model, inner, gathered_bytes=gathered)
