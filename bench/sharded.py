@@ -1,0 +1,175 @@
+"""Sharded data parallel: memory per rank and step time of ``fsdp`` against ``ddp`` and against FSDP2 by hand.
+
+One launch per world size (2, then 4 gloo ranks on this host, one thread each) builds the same
+model three times, from the same seed, and prepares it three ways:
+
+- ``ddp``: ``torchrelay.train.sync.prepare`` under ``{kind: ddp}`` (what ``rt.prepare`` runs);
+- ``fsdp``: ``torchrelay.train.sharded.prepare`` under ``{kind: fsdp}`` (what ``rt.prepare`` runs);
+- ``hand``: the model wrapped as PyTorch's FSDP2 tutorial does it — ``fully_shard`` on each
+  block, then on the model, and ``torch.optim.Adam(model.parameters())`` — no torchrelay.
+
+The model: ``--layers`` blocks of Linear(d, d) + GELU (d = ``--width``), Adam, ``--batch`` rows
+per rank. Memory per rank is parameters + gradients + optimizer state as ``train.memory_meter``
+reads them after a step (this rank's shards, plus the largest unit gathered whole under
+fsdp; DDP's gradient buckets are not counted, which favours ddp). Step time: forward,
+backward and optimizer step, the three ways in turn for ``--rounds`` rounds of ``--steps``
+steps, median per way on rank 0. Where ours and the tutorial differ: ours keeps the last
+block gathered after forward (backward needs it at once; torchtitan does the same), the
+tutorial reshards it and gathers it again.
+
+    .venv/bin/python bench/sharded.py [--layers 16] [--width 512] [--rounds 5] [--steps 10]
+
+Prints the rows, then ``RESULT {"fsdp2_memory_vs_ddp", "fsdp4_memory_vs_ddp", "fsdp_step_vs_ddp",
+"fsdp_vs_hand_written", ...}``: memory and step ratios are ours over ddp's (lower is better;
+goals ≤ 0.6, ≤ 0.35 and ≤ 1.3); ``fsdp_vs_hand_written`` is the hand-written step time over
+ours (our speed relative to it; goal ≥ 0.97). The step ratios are from the 2-rank launch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
+
+WAYS = ("ddp", "fsdp", "hand")
+
+
+def build(args: argparse.Namespace):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)])
+
+
+def prepared(way: str, args: argparse.Namespace, ctx):
+    import torch
+
+    from torchrelay.spec import DDPStrategy, FSDPStrategy
+    from torchrelay.train import sharded, sync
+    from torchrelay.train.memory_meter import MemoryMeter
+
+    model = build(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if way == "ddp":
+        model, optimizer = sync.prepare(model, optimizer, DDPStrategy(), ctx)
+        return model, optimizer, optimizer.meter
+    if way == "fsdp":
+        model, optimizer = sharded.prepare(model, optimizer, FSDPStrategy(kind="fsdp"), ctx)
+        return model, optimizer, optimizer.meter
+    from torch.distributed.fsdp import fully_shard  # the tutorial's way
+
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    gathered = sharded.fsdp.largest_unit_bytes(model, [str(i) for i in range(len(model))])  # as ours counts it
+    return model, optimizer, MemoryMeter(model, optimizer, gathered_bytes=gathered)
+
+
+def timed_steps(model, optimizer, batch, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    import torchrelay.train as rt
+
+    torch.set_num_threads(1)
+    ctx = rt.init()
+    batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    runs = {way: prepared(way, args, ctx) for way in WAYS}
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    for _ in range(args.rounds):
+        for way, (model, optimizer, _meter) in runs.items():
+            times[way].extend(timed_steps(model, optimizer, batch, args.steps)[1:])  # the first waits for the others
+    memory = {way: meter.figures().training_state for way, (_m, _o, meter) in runs.items()}
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({"times": times, "memory": memory}))
+    rt.shutdown()
+
+
+def launch(world: int, args: argparse.Namespace) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k in ("layers", "width", "batch", "rounds", "steps")]
+    with tempfile.TemporaryDirectory(prefix="bench-sharded-") as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{r},{world},{port},{out}", *forwarded],
+                                  env=env, start_new_session=True) for r in range(world)]
+        try:
+            for proc in procs:
+                if proc.wait(timeout=1800) != 0:
+                    raise SystemExit(f"a rank of the {world}-rank launch exited {proc.returncode}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        rank, world, port, out = args.worker.split(",")
+        return worker(int(rank), int(world), int(port), out, args)
+    versions = package_versions(TRAINING_PACKAGES)
+    print(header_line(versions))
+    print(f"model: {args.layers} × Linear({args.width}, {args.width}) + GELU, Adam, {args.batch} rows per rank; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    result: dict = {}
+    for world in (2, 4):
+        ranks = launch(world, args)
+        peak = {way: max(r["memory"][way] for r in ranks) for way in WAYS}
+        median = {way: statistics.median(ranks[0]["times"][way]) for way in WAYS}
+        for way in WAYS:
+            print(f"{world} ranks  {way:<5} training state per rank {peak[way] / 2**20:8.2f} MiB "
+                  f"({peak[way] / peak['ddp']:.3f} of ddp)   step {median[way] * 1e3:8.2f} ms", flush=True)
+        result[f"fsdp{world}_memory_vs_ddp"] = round(peak["fsdp"] / peak["ddp"], 4)
+        result[f"fsdp{world}_step_ms"] = round(median["fsdp"] * 1e3, 3)
+        result[f"ddp{world}_step_ms"] = round(median["ddp"] * 1e3, 3)
+        result[f"hand{world}_step_ms"] = round(median["hand"] * 1e3, 3)
+        if world == 2:
+            result["fsdp_step_vs_ddp"] = round(median["fsdp"] / median["ddp"], 4)
+            result["fsdp_vs_hand_written"] = round(median["hand"] / median["fsdp"], 4)
+    print(f"ratios: fsdp memory vs ddp {result['fsdp2_memory_vs_ddp']} (2 ranks), {result['fsdp4_memory_vs_ddp']} "
+          f"(4 ranks); fsdp step vs ddp {result['fsdp_step_vs_ddp']}; hand-written vs ours "
+          f"{result['fsdp_vs_hand_written']}")
+    result["load_average"] = round(os.getloadavg()[0], 2)
+    print(result_line(result, versions))
+
+
+if __name__ == "__main__":
+    main()
