@@ -218,3 +218,14 @@ def test_the_partitioner_plans_with_each_stages_sharded_memory() -> None:
     capped = [DeviceSpec(mem_cap_bytes=600 - reserve)] * 2
     assert plan_stages(costs, capped).boundaries == (0, 2)  # first block of each stage
     assert sharded_costs(blocks, 1) == (blocks, 0)
+
+
+def test_a_plain_optimizer_state_by_index_is_keyed_by_name() -> None:
+    from torchrelay.train.sharded.optimizer import _by_name
+
+    plain = {"state": {0: {"step": 1}, 1: {"step": 2}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    assert _by_name(plain, ["a.weight", "a.bias"]) == {
+        "state": {"a.weight": {"step": 1}, "a.bias": {"step": 2}},
+        "param_groups": [{"lr": 0.1, "params": ["a.weight", "a.bias"]}]}
+    named = {"state": {"a.weight": {"step": 1}}, "param_groups": [{"params": ["a.weight"]}]}
+    assert _by_name(named, ["a.weight"]) is named

@@ -25,8 +25,8 @@ from torchrelay.train.artifacts import artifact_url, job_store, save_artifact
 from torchrelay.train.checkpoint import (checkpoint_due, load_checkpoint, save_checkpoint, wait_for_checkpoint,
                                          wait_for_staging)
 from torchrelay.train.checkpoint_state import TrainState
-from torchrelay.train.context import (Context, LocalModule, current_context, finish, init, prepare, shutdown,
-                                      unwrap)
+from torchrelay.train.context import (Context, LocalModule, current_context, finish, full_state_dict, init, prepare,
+                                      shutdown, unwrap)
 from torchrelay.train.data import shard, shard_indices
 from torchrelay.train.stream_data import StreamLoader, kafka_loader, rabbitmq_stream_loader
 from torchrelay.train.preempt import should_stop
@@ -34,7 +34,6 @@ from torchrelay.train.report import flush as flush_metrics
 from torchrelay.train.report import report
 from torchrelay.train.resumable import ResumableStream
 from torchrelay.train.stream import ShardStream, stream
-from torchrelay.train.sharded.module import full_state_dict
 
 __all__ = [
     "Context", "LocalModule", "ResumableStream", "ShardStream", "TrainState", "artifact_url", "checkpoint_due",

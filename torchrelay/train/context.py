@@ -44,8 +44,10 @@ from torchrelay.train.memory_profile import ProfileOptimizer, profiling
 from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 from torchrelay.train.sharded.module import ShardedModule
+from torchrelay.train.sharded.module import full_state_dict as _gathered_state_dict
 
-__all__ = ["Context", "LocalModule", "current_context", "finish", "init", "prepare", "shutdown", "unwrap"]
+__all__ = ["Context", "LocalModule", "current_context", "finish", "full_state_dict", "init", "prepare", "shutdown",
+           "unwrap"]
 
 
 def current_context() -> Context:
@@ -140,6 +142,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, (LocalModule, ShardedModule, torch.nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, keys of the user's model, on rank 0 only (CPU tensors); ``{}`` on
+    the other ranks. Collective under fsdp (the shards are gathered to rank 0): call it on every rank,
+    and only when the whole model is wanted (an artifact)."""
+    return _gathered_state_dict(unwrap(model))
 
 
 def _strategy_prepare(kind: str) -> Callable[..., tuple[torch.nn.Module, Any]]:

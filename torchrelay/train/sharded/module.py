@@ -9,8 +9,8 @@ Contract:
   or whole tensors (a loaded checkpoint, a ddp job's, ``full_state_dict``'s); each rank keeps
   its own slices (``torch.distributed.checkpoint.state_dict.set_model_state_dict``). Collective.
 - ``no_sync()`` skips the gradient reduce-scatter inside it (gradient accumulation), as DDP's.
-- ``full_state_dict(model)``: the whole model gathered to rank 0 only, on CPU, keys of the
-  user's model (no prefix); ``{}`` on the other ranks. Collective; call it only when the full
+- ``full_state_dict(inner)`` (``rt.full_state_dict(model)`` unwraps first): the whole model
+  gathered to rank 0 only, on CPU, keys of the user's model (no prefix); ``{}`` on the other ranks. Collective; call it only when the full
   model is wanted (an artifact), since rank 0 then holds all of it. Works for any prepared
   model (a ddp one's is its own state dict).
 """
@@ -60,13 +60,11 @@ class ShardedModule(nn.Module):
         return set_model_state_dict(self.module, inner, options=options)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0 (CPU), ``{}`` elsewhere. Collective for a sharded model."""
+def full_state_dict(inner: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of ``inner`` (the user's model, unwrapped: ``rt.full_state_dict`` unwraps)
+    on rank 0 (CPU), ``{}`` elsewhere. Collective for a sharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    inner = model
-    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):
-        inner = inner.module
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if not has_dtensors(inner.parameters()):
         return {k: v.detach().cpu() for k, v in inner.state_dict().items()} if rank == 0 else {}
