@@ -50,10 +50,7 @@ import functools
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,37 +59,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
+from _ranks import free_port, run_owned  # noqa: E402
 
 MLP = dict(width=512, depth=8, microbatch=32, microbatches=8)
 LM = dict(vocab=22528, dim=128, depth=10, heads=4, context=32, microbatch=4, microbatches=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: argparse.Namespace, out_dir: str) -> dict:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = []
-    try:
-        for rank in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(rank), "--port", str(port),
-                 "--out", out_dir, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                 "--parts", args.parts],
-                env=env, start_new_session=True))
-        for proc in procs:
-            proc.wait(timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(f"bench worker exited {proc.returncode}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    run_owned([[sys.executable, __file__, "--worker", str(rank), "--port", str(port), "--out", out_dir,
+                "--rounds", str(args.rounds), "--steps", str(args.steps), "--parts", args.parts]
+               for rank in range(2)], env)
     return json.loads(Path(out_dir, "result.json").read_text())
 
 

@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
+from _ranks import free_port, run_owned  # noqa: E402
 
 WAYS = ("ddp", "fsdp", "hand")
 
@@ -113,23 +111,12 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
 
 
 def launch(world: int, args: argparse.Namespace) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k in ("layers", "width", "batch", "rounds", "steps")]
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{r},{world},{port},{out}", *forwarded],
-                                  env=env, start_new_session=True) for r in range(world)]
-        try:
-            for proc in procs:
-                if proc.wait(timeout=1800) != 0:
-                    raise SystemExit(f"a rank of the {world}-rank launch exited {proc.returncode}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        run_owned([[sys.executable, __file__, "--worker", f"{r},{world},{port},{out}", *forwarded]
+                   for r in range(world)], env)
         return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
 
 

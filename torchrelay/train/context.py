@@ -45,6 +45,7 @@ from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 from torchrelay.train.sharded.module import ShardedModule
 from torchrelay.train.sharded.module import full_state_dict as _gathered_state_dict
+from torchrelay.train.wrapped import WrappedModule
 
 __all__ = ["Context", "LocalModule", "current_context", "finish", "full_state_dict", "init", "prepare", "shutdown",
            "unwrap"]
@@ -118,19 +119,12 @@ def _join_process_group(ctx: Context, backend: str | None, timeout_s: float | No
 # ---------------------------------------------------------------- prepare
 
 
-class LocalModule(torch.nn.Module):
+class LocalModule(WrappedModule):
     """What ``prepare`` returns for DDP in a world of 1: the model, with DDP's surface.
 
     ``.module`` is the wrapped model and ``state_dict()`` keys carry the same ``module.``
     prefix as DDP's, so a checkpoint moves between world sizes unchanged.
     """
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchrelay.train.wrapped import WrappedModule
+
 __all__ = ["ShardedModule", "full_state_dict", "has_dtensors"]
 
 PREFIX = "module."
@@ -34,15 +36,8 @@ def has_dtensors(values: Any) -> bool:
     return any(isinstance(v, DTensor) for v in values)
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(WrappedModule):
     """The FSDP root with DDP's surface (see the module docstring)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
