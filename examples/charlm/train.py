@@ -2,8 +2,10 @@
 
 Runs unchanged as ``python train.py --data FILE`` (one process), under
 ``torchrun --nproc-per-node 2 train.py --data FILE`` and as a torchrelay job; the job spec's
-``strategy`` (ddp, local_sgd, diloco, final_average) decides how replicas synchronise, and
-outside a job ``RELAY_STRATEGY='{"kind": "local_sgd", "every": 16}'`` does the same. Reports
+``strategy`` (ddp, local_sgd, diloco, final_average) decides how replicas synchronise, or
+shards them (fsdp; ``{"kind": "fsdp", "tensor_parallel": 2}`` also splits each block's attention
+and MLP over pairs of workers), and outside a job
+``RELAY_STRATEGY='{"kind": "local_sgd", "every": 16}'`` does the same. Reports
 loss (and the strategy's bytes_sent / divergence) every step and val_loss every
 ``--eval-every`` steps, checkpoints per the job's policy and resumes from the newest
 checkpoint, and ends with the line ``final val_loss=…``.
@@ -65,14 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     resumed = rt.load_checkpoint()
     if resumed is not None:
         state, step = resumed
-        rt.unwrap(model).load_state_dict(state["model"])
+        # under fsdp the prepared model takes whole tensors and keeps its shards; elsewhere the user's model
+        (model if ctx.strategy.kind == "fsdp" else rt.unwrap(model)).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if ctx.is_main:
             print(f"resumed from the checkpoint at step {step}", flush=True)
 
+    share, shares = rt.data_share()  # the ranks of a tensor-parallel group read the same batch
     last = time.perf_counter()
     for step in range(step + 1, args.steps + 1):
-        inputs, targets = corpus.train_batch(step, ctx.rank, batch_size=args.batch_size,
+        inputs, targets = corpus.train_batch(step, share, batch_size=args.batch_size,
                                              context=args.context, seed=args.seed)
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model(inputs.to(ctx.device)), targets.to(ctx.device))
@@ -80,22 +84,26 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         now = time.perf_counter()
         rt.report(step, loss=loss.item(), step_time_s=now - last,
-                  tokens_per_s=inputs.numel() * ctx.world_size / (now - last))
+                  tokens_per_s=inputs.numel() * shares / (now - last))
         last = now
         if rt.checkpoint_due(step):
             # collective for final_average (the checkpoint holds the average); harmless to repeat
             getattr(optimizer, "before_checkpoint", lambda: None)()
             rt.save_checkpoint({"model": rt.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}, step)
-        if step % args.eval_every == 0 and ctx.is_main:
+        # a sharded model's forward is collective (every rank gathers each block): all ranks evaluate
+        evaluates = ctx.is_main or ctx.strategy.kind == "fsdp"
+        if step % args.eval_every == 0 and evaluates:
             val_loss = evaluate(rt.unwrap(model), val, ctx.device)
             rt.report(step, val_loss=val_loss)
-            print(f"step {step}/{args.steps} loss={loss.item():.4f} val_loss={val_loss:.4f}", flush=True)
+            if ctx.is_main:
+                print(f"step {step}/{args.steps} loss={loss.item():.4f} val_loss={val_loss:.4f}", flush=True)
 
     sync.finish(model, optimizer)  # replicas agree before the final figure (idempotent; shutdown may repeat it)
-    if ctx.is_main:
+    if evaluates:
         val_loss = evaluate(rt.unwrap(model), val, ctx.device)
         rt.report(args.steps, val_loss=val_loss)
-        print(f"final val_loss={val_loss:.4f}", flush=True)
+        if ctx.is_main:
+            print(f"final val_loss={val_loss:.4f}", flush=True)
     rt.shutdown()
 
 

@@ -229,3 +229,14 @@ def test_a_plain_optimizer_state_by_index_is_keyed_by_name() -> None:
         "param_groups": [{"lr": 0.1, "params": ["a.weight", "a.bias"]}]}
     named = {"state": {"a.weight": {"step": 1}}, "param_groups": [{"params": ["a.weight"]}]}
     assert _by_name(named, ["a.weight"]) is named
+
+
+@pytest.mark.parametrize("strategy, world, shares", [
+    (None, 4, [(0, 4), (1, 4), (2, 4), (3, 4)]),
+    (FSDPStrategy(kind="fsdp"), 4, [(0, 4), (1, 4), (2, 4), (3, 4)]),
+    (FSDPStrategy(kind="fsdp", tensor_parallel=2), 4, [(0, 2), (0, 2), (1, 2), (1, 2)]),
+])
+def test_the_ranks_of_a_tensor_parallel_group_read_one_share_of_the_data(strategy, world: int, shares) -> None:
+    from torchrelay.train.roles import Roles
+
+    assert [Roles.of(r, world, strategy).data_world() for r in range(world)] == shares

@@ -27,7 +27,7 @@ from torchrelay.train.checkpoint import (checkpoint_due, load_checkpoint, save_c
 from torchrelay.train.checkpoint_state import TrainState
 from torchrelay.train.context import (Context, LocalModule, current_context, finish, full_state_dict, init, prepare,
                                       shutdown, unwrap)
-from torchrelay.train.data import shard, shard_indices
+from torchrelay.train.data import data_share, shard, shard_indices
 from torchrelay.train.stream_data import StreamLoader, kafka_loader, rabbitmq_stream_loader
 from torchrelay.train.preempt import should_stop
 from torchrelay.train.report import flush as flush_metrics
@@ -37,8 +37,8 @@ from torchrelay.train.stream import ShardStream, stream
 
 __all__ = [
     "Context", "LocalModule", "ResumableStream", "ShardStream", "TrainState", "artifact_url", "checkpoint_due",
-    "current_context", "finish", "flush_metrics", "full_state_dict", "init", "job_store", "load_checkpoint",
-    "prepare", "report", "save_artifact", "save_checkpoint", "shard", "shard_indices", "should_stop", "shutdown",
-    "stream", "unwrap", "wait_for_checkpoint", "wait_for_staging",
+    "current_context", "data_share", "finish", "flush_metrics", "full_state_dict", "init", "job_store",
+    "load_checkpoint", "prepare", "report", "save_artifact", "save_checkpoint", "shard", "shard_indices",
+    "should_stop", "shutdown", "stream", "unwrap", "wait_for_checkpoint", "wait_for_staging",
     "StreamLoader", "kafka_loader", "rabbitmq_stream_loader",
 ]

@@ -16,6 +16,9 @@ Contract:
   ``collate_fn`` is the one ``DataLoader`` keyword it takes.
 - ``shard_indices(n, …)`` is the same split as plain indices (pure, no torch.distributed), and
   with ``pad=False`` an exact partition: every index on exactly one rank (use it for evaluation).
+- ``data_share()`` is ``(this rank's share, shares)`` as ``shard`` splits: the rank and world
+  size, except under the parameter server (workers only) and under ``fsdp`` with
+  ``tensor_parallel: t``, where the ``t`` ranks of a tensor-parallel group read the same share.
 """
 from __future__ import annotations
 
@@ -47,6 +50,11 @@ def _resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     return rank, world_size
+
+
+def data_share() -> tuple[int, int]:
+    """``(share, shares)``: which share of the data this rank reads, of how many (see the module docstring)."""
+    return _resolve(None, None)
 
 
 def shard(dataset: Dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0,

@@ -3,7 +3,9 @@
 Under the ``parameter_server`` strategy a job's world holds worker ranks and then server ranks
 (``torchrelay.layout``). Server ranks hold no data, never join a collective on the default process
 group (stop agreement, checkpoint saves), and never write checkpoints: worker rank 0 writes alone.
-Under every other strategy each rank is a worker of the whole world.
+Under every other strategy each rank is a worker of the whole world; under ``fsdp`` with
+``tensor_parallel: t`` the ``t`` consecutive ranks of a tensor-parallel group share one share of
+the data (they compute one model split between them), so the data is split over ``world / t``.
 
 Pure: built from (rank, world size, strategy); no process group, no I/O. The library's modules ask
 this instead of testing the strategy's kind themselves.
@@ -25,12 +27,14 @@ class Roles:
     rank: int
     layout: RankLayout
     parameter_server: bool = False
+    tensor_parallel: int = 1
 
     @classmethod
     def of(cls, rank: int, world_size: int, strategy: Strategy | None) -> Roles:
         """The roles of ``rank``. Raises ``ValueError`` when a parameter-server world leaves no worker."""
         return cls(rank=rank, layout=RankLayout.of_world(world_size, strategy),
-                   parameter_server=isinstance(strategy, ParameterServerStrategy))
+                   parameter_server=isinstance(strategy, ParameterServerStrategy),
+                   tensor_parallel=getattr(strategy, "tensor_parallel", 1))
 
     @property
     def is_server(self) -> bool:
@@ -38,11 +42,12 @@ class Roles:
         return self.rank >= self.layout.workers
 
     def data_world(self) -> tuple[int, int]:
-        """``(rank, ranks)`` to split the data over: the workers only. Raises ``ValueError`` on a server rank."""
+        """``(share, shares)`` to split the data over: the workers only, one share per tensor-parallel
+        group. Raises ``ValueError`` on a server rank."""
         if self.is_server:
             raise ValueError(f"rank {self.rank} is a parameter server (ranks {self.layout.workers}.."
                              f"{self.layout.world_size - 1}); it has no share of the data")
-        return self.rank, self.layout.workers
+        return self.rank // self.tensor_parallel, self.layout.workers // self.tensor_parallel
 
     @property
     def collectives_on_default_group(self) -> bool:

@@ -2,7 +2,7 @@
 
 ``strategy: {kind: fsdp}`` in a job spec makes ``torchrelay.train.prepare`` run ``prepare`` here
 (prepare.py): a ``dp × tp`` device mesh, ``apply_tensor_parallel`` on ``tp``, ``apply_fsdp`` on
-``dp``, the optimizer rebuilt over the shards. Each step has its own small config (config.py),
+``dp``, the optimizer pointed at the shards. Each step has its own small config (config.py),
 in torchtitan's shape; the pure parts (units.py: what a unit is; layout.py: the mesh and what
 each rank holds; tensor_parallel.py's plan) are tested without processes. See docs/strategies.md.
 """

@@ -1,12 +1,16 @@
-"""``ShardedOptimizer``: the user's optimizer rebuilt over the sharded parameters.
+"""``ShardedOptimizer``: the user's optimizer, pointed at the sharded parameters.
 
 Contract:
 - ``rebuild_optimizer(optimizer, names, model)``: FSDP2 and tensor parallel replace a module's
   parameters by new DTensor ones, so the optimizer the user built before ``prepare`` holds
-  parameters the model no longer uses. A new optimizer of the same class is built over the
-  model's new parameters, group by group (each group's settings kept; ``names`` maps the old
-  parameters to their dotted names). Raises ``InvalidSpec`` when the optimizer already has state
-  (load it after ``prepare``) or holds a parameter the model does not (named).
+  parameters the model no longer uses. Its parameter groups are pointed at the model's new
+  parameters, by name (``names`` maps the old parameters to their dotted names), in place: the
+  same optimizer object, every group's settings kept, so an LR scheduler made before ``prepare``
+  still drives it (Hugging Face Accelerate does the same for FSDP2; building a new optimizer of
+  the same class from ``defaults`` fails for classes whose ``defaults`` hold keys their
+  constructor does not take, e.g. AdamW's ``decoupled_weight_decay``). Raises ``InvalidSpec``,
+  changing nothing, when the optimizer already has state (load it after ``prepare``) or holds a
+  parameter the model does not.
 - ``ShardedOptimizer`` is a ``train.prepared.StrategyOptimizer`` over that optimizer: ``step`` and
   ``zero_grad`` are the inner one's (the step updates each rank's shards only); ``metrics()``
   are the memory meter's ``memory_*`` figures; ``state_dict()`` is keyed by parameter name with
@@ -37,12 +41,12 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                       model: nn.Module) -> torch.optim.Optimizer:
-    """The same optimizer over ``model``'s current parameters (see the module docstring)."""
+    """``optimizer`` with its groups pointing at ``model``'s current parameters (see the module docstring)."""
     if any(optimizer.state.values()):
         raise InvalidSpec("the optimizer passed to prepare() already has state; under fsdp its parameters are "
                           "replaced by shards: load optimizer state after prepare (TrainState.restore does)")
     current = dict(model.named_parameters())
-    groups = []
+    swapped = []
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
@@ -51,8 +55,10 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                 raise InvalidSpec(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the "
                                   "model passed to prepare(); build the optimizer over model.parameters()")
             params.append(current[name])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
+        swapped.append(params)
+    for group, params in zip(optimizer.param_groups, swapped):  # all checked first: nothing half-changed
+        group["params"] = params
+    return optimizer
 
 
 def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 class ShardedOptimizer(torch.optim.Optimizer, StrategyOptimizer):
-    """The rebuilt optimizer with the library's hooks (see the module docstring)."""
+    """The user's optimizer with the library's hooks (see the module docstring)."""
 
     def __init__(self, inner: torch.optim.Optimizer, *, model: nn.Module, meter: MemoryMeter) -> None:
         # Not calling Optimizer.__init__: the inner optimizer owns param_groups and state (as SyncOptimizer)
@@ -95,7 +101,7 @@ class ShardedOptimizer(torch.optim.Optimizer, StrategyOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("add parameter groups before torchrelay's prepare(); under fsdp the optimizer "
-                                  "is rebuilt over the shards there")
+                                  "is pointed at the shards there")
 
     def metrics(self) -> dict[str, float]:
         return self.meter.metrics()
