@@ -8,7 +8,7 @@ from torch import nn
 from torchrelay.errors import InsufficientMemory, InvalidSpec
 from torchrelay.spec import FSDPStrategy, JobSpec, PipelineStrategy
 from torchrelay.train.memory import MemoryFigures, check_fits, estimate_training_state, optimizer_state_factor
-from torchrelay.train.memory_check import estimate, memory_limit, preflight
+from torchrelay.train.memory_check import estimate, memory_limit, preflight, process_baseline
 from torchrelay.train.sharded.config import FSDPConfig, TPConfig, configs_of, mixed_precision_dtypes
 from torchrelay.train.sharded.layout import Holding, MeshShape, describe_layout, layout_dict, mesh_shape
 from torchrelay.train.sharded.tensor_parallel import tensor_parallel_plan
@@ -180,8 +180,12 @@ def test_preflight_from_the_model_and_the_environment() -> None:
     assert preflight(model, opt, None, 2, {}) is None  # no limit
     limit = str((ddp.training_state + fsdp.training_state) // 2)
     with pytest.raises(InsufficientMemory, match=r"under ddp on 2 workers .* \(fits\)"):
-        preflight(model, opt, None, 2, {"RELAY_MEMORY_PER_WORKER": limit})
-    assert preflight(model, opt, FSDPStrategy(kind="fsdp"), 2, {"RELAY_MEMORY_PER_WORKER": limit}) == fsdp
+        preflight(model, opt, None, 2, {"RELAY_MEMORY_PER_WORKER": limit}, baseline=0)
+    assert preflight(model, opt, FSDPStrategy(kind="fsdp"), 2, {"RELAY_MEMORY_PER_WORKER": limit}, baseline=0) == fsdp
+    # what the process holds besides training counts too (a cgroup limit counts the whole process)
+    with pytest.raises(InsufficientMemory, match=r"besides 2.0MiB the process holds already"):
+        preflight(model, opt, FSDPStrategy(kind="fsdp"), 2, {"RELAY_MEMORY_PER_WORKER": limit}, baseline=2 << 20)
+    assert process_baseline(model) > 50 << 20  # this interpreter with torch, measured
     assert memory_limit({"RELAY_MEMORY_PER_WORKER": "1GiB"}) == 1 << 30
     with pytest.raises(InvalidSpec, match="RELAY_MEMORY_PER_WORKER='lots'"):
         memory_limit({"RELAY_MEMORY_PER_WORKER": "lots"})

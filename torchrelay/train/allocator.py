@@ -16,6 +16,15 @@ training process reaches every step anyway. PyTorch's answer is to preload jemal
 tcmalloc (``torch.backends.xeon.run_cpu``), which a job cannot assume is installed;
 ``mallopt`` is glibc's own switch for the same thing, and the environment variables it
 reads at start-up (``MALLOC_TRIM_THRESHOLD_``) come too late for a process already running.
+
+``return_large_allocations()`` is the opposite choice, for sharded training (``fsdp``), where
+memory is the point: it fixes the mmap threshold at 1 MiB, so every buffer above that (FSDP's
+gathered units, its reduce-scatter buffers, freed whole-model tensors after sharding) is
+``mmap``ed and goes back to the kernel when freed. With glibc's default *dynamic* threshold the
+first freed 16 MiB buffer raises the threshold above it, later ones come from the heap, and the
+heap fragments: measured here, 16 × Linear(2048, 2048) with Adam on 2 fsdp ranks grew to
+2,052 MiB resident per rank over three steps, and stayed at 894 MiB with the fixed threshold.
+Same rules: process-wide, idempotent, True when it took, ``RELAY_MALLOC_TUNE=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -29,7 +38,25 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: ≈ never trim
 
+RETURNED_MMAP_THRESHOLD_BYTES = 1 << 20
+
 _applied: bool | None = None
+_returning: bool | None = None
+
+
+def _mallopt():  # noqa: ANN202 - the C function, or None where the C library is not glibc
+    if os.environ.get("RELAY_MALLOC_TUNE", "1") == "0":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its mallopt numbers differ
+        return None
+    mallopt = libc.mallopt
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return mallopt
 
 
 def keep_freed_memory() -> bool:
@@ -37,19 +64,16 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied is not None:
         return _applied
-    _applied = False
-    if os.environ.get("RELAY_MALLOC_TUNE", "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its mallopt numbers differ
-        return False
-    mallopt = libc.mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    trimmed = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    fixed_mmap = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    _applied = trimmed and fixed_mmap
+    mallopt = _mallopt()
+    _applied = mallopt is not None and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) \
+        and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     return _applied
+
+
+def return_large_allocations() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB for sharded training (see module docstring). Idempotent."""
+    global _returning
+    if _returning is None:
+        mallopt = _mallopt()
+        _returning = mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, RETURNED_MMAP_THRESHOLD_BYTES))
+    return _returning

@@ -9,9 +9,10 @@
 - ``estimate_training_state(...)`` — one rank's figures under ``ddp`` (everything whole, plus
   DDP's gradient buckets, a second copy of the gradients) or under sharding over ``shards``
   ranks (1/shards of each, plus the largest unit gathered whole: "one unit in flight").
-- ``check_fits(...)`` — raises ``InsufficientMemory`` with the figures when the estimate is above
-  the worker's memory (``resources.memory``, reaching the worker as ``RELAY_MEMORY_PER_WORKER``),
-  and names what would fit. Activations are not in the estimate (they depend on the batch);
+- ``check_fits(...)`` — raises ``InsufficientMemory`` with the figures when the estimate, plus what
+  the process holds besides training, is above the worker's memory (``resources.memory``,
+  reaching the worker as ``RELAY_MEMORY_PER_WORKER``; the agent enforces it with cgroups, which
+  count the whole process), and names what would fit. Activations are not in the estimate (they depend on the batch);
   the runtime figures (``train.memory_meter``) report them.
 """
 from __future__ import annotations
@@ -79,20 +80,22 @@ def estimate_training_state(*, parameter_bytes: int, trainable_bytes: int, large
 
 
 def check_fits(figures: MemoryFigures, limit: int, *, strategy: str, workers: int,
-               sharded: MemoryFigures | None = None) -> None:
-    """Raise ``InsufficientMemory`` when ``figures`` exceed ``limit`` bytes (0: no limit).
-
-    ``sharded``: the estimate under fsdp on the same workers, named in the message when it fits."""
-    if not limit or figures.training_state <= limit:
+               sharded: MemoryFigures | None = None, baseline: int = 0) -> None:
+    """Raise ``InsufficientMemory`` when ``baseline`` plus ``figures``' training state exceeds ``limit``
+    bytes (0: no limit). ``baseline``: what the process holds besides training (the interpreter, torch,
+    data), which a cgroup limit counts too. ``sharded``: the estimate under fsdp on the same workers,
+    named in the message."""
+    if not limit or baseline + figures.training_state <= limit:
         return
     hint = "give each worker more memory (resources.memory)"
     if sharded is not None and strategy != "fsdp":
-        fits = "fits" if sharded.training_state <= limit else "still does not fit"
+        fits = "fits" if baseline + sharded.training_state <= limit else "still does not fit"
         hint = (f"strategy fsdp on the same {workers} workers needs {format_memory(sharded.training_state)} "
                 f"per worker ({fits}); or {hint}")
     elif strategy == "fsdp":
         hint = f"use more workers (each adds a shard), {hint}"
+    besides = f", besides {format_memory(baseline)} the process holds already" if baseline else ""
     raise InsufficientMemory(
         f"memory: the training state needs {format_memory(figures.training_state)} per worker under "
-        f"{strategy} on {workers} workers ({figures.text()}), but each worker has {format_memory(limit)} "
-        f"(resources.memory); {hint}")
+        f"{strategy} on {workers} workers ({figures.text()}{besides}), but each worker has "
+        f"{format_memory(limit)} (resources.memory); {hint}")

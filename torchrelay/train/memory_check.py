@@ -9,12 +9,15 @@ Contract:
   gradients, optimizer state; ``train.memory``) under ``strategy`` — whole under ddp, local SGD
   and the like (ddp adds its gradient buckets), sharded under fsdp — from the model's parameter
   sizes and the optimizer's class. Reads sizes only; works on meta-device models.
-- ``preflight(model, optimizer, strategy, world_size, env)``: ``check_fits`` of that estimate
-  against ``memory_limit``; raises ``InsufficientMemory`` naming the figures, the limit, and what
-  fsdp would need on the same workers. Does not communicate: every rank computes the same.
+- ``preflight(model, optimizer, strategy, world_size, env)``: ``check_fits`` of that estimate plus
+  what the process holds besides training (its resident memory now, less the model's tensors
+  already on the CPU: the interpreter, torch, data; a cgroup limit counts them too) against
+  ``memory_limit``; raises ``InsufficientMemory`` naming the figures, the limit, and what fsdp
+  would need on the same workers. Does not communicate (ranks may differ by their baselines).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from torch import nn
@@ -25,7 +28,7 @@ from torchrelay.train.memory import MemoryFigures, check_fits, estimate_training
 from torchrelay.train.sharded.fsdp import largest_unit_bytes
 from torchrelay.train.sharded.units import find_units
 
-__all__ = ["MEMORY_VAR", "estimate", "memory_limit", "preflight"]
+__all__ = ["MEMORY_VAR", "estimate", "memory_limit", "preflight", "process_baseline", "resident_bytes"]
 
 MEMORY_VAR = "RELAY_MEMORY_PER_WORKER"
 
@@ -56,9 +59,26 @@ def estimate(model: nn.Module, optimizer: Any, strategy: Any, world_size: int) -
                                    optimizer_factor=factor, shards=world_size)
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc/self/statm``); 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_baseline(model: nn.Module) -> int:
+    """What the process holds besides training: resident memory less the model's tensors on the CPU."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+               if t.device.type == "cpu")
+    return max(0, resident_bytes() - held)
+
+
 def preflight(model: nn.Module, optimizer: Any, strategy: Any, world_size: int,
-              env: Mapping[str, str]) -> MemoryFigures | None:
-    """The estimate when a limit is set (None otherwise); raises ``InsufficientMemory`` when it is over."""
+              env: Mapping[str, str], baseline: int | None = None) -> MemoryFigures | None:
+    """The estimate when a limit is set (None otherwise); raises ``InsufficientMemory`` when it, plus
+    ``baseline`` (default: ``process_baseline(model)``, measured), is over."""
     limit = memory_limit(env)
     if not limit:
         return None
@@ -69,5 +89,6 @@ def preflight(model: nn.Module, optimizer: Any, strategy: Any, world_size: int,
         from torchrelay.spec import FSDPStrategy
 
         sharded = estimate(model, optimizer, FSDPStrategy(kind="fsdp"), world_size)
-    check_fits(figures, limit, strategy=kind, workers=world_size, sharded=sharded)
+    check_fits(figures, limit, strategy=kind, workers=world_size, sharded=sharded,
+               baseline=process_baseline(model) if baseline is None else baseline)
     return figures

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchrelay.errors import InvalidSpec
+from torchrelay.train.allocator import return_large_allocations
 from torchrelay.train.memory_meter import MemoryMeter, local_bytes
 from torchrelay.train.sharded.config import configs_of
 from torchrelay.train.sharded.fsdp import apply_fsdp, largest_unit_bytes
@@ -32,7 +33,6 @@ from torchrelay.train.sharded.layout import Holding, MeshShape, layout_dict, mes
 from torchrelay.train.sharded.module import ShardedModule
 from torchrelay.train.sharded.optimizer import ShardedOptimizer, parameter_names, rebuild_optimizer
 from torchrelay.train.sharded.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
-from torchrelay.train.sync import Collective
 
 __all__ = ["LAYOUT_FILE", "build_mesh", "prepare", "publish_layout"]
 
@@ -56,10 +56,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any,
     if any(p.device.type == "meta" for p in model.parameters()):
         raise InvalidSpec("fsdp: the model is on the meta device; build it on the CPU before prepare(), or use "
                           "the pipeline with data_parallel: fsdp, which materialises meta blocks one at a time")
+    if device.type == "cpu":
+        return_large_allocations()  # freed buffers go back to the kernel (allocator.py: measured)
     model = model.to(device)
     if ctx.world_size > 1:
-        Collective(ctx.world_size).broadcast_([t.data for t in (*model.parameters(), *model.buffers())],
-                                              counted=False)
+        # tensor by tensor, not flattened into one buffer as train.sync does: a flat copy of the whole
+        # model would double the memory this very strategy exists to save, at its peak
+        for tensor in (*model.parameters(), *model.buffers()):
+            dist.broadcast(tensor.data, src=0)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     mesh = build_mesh(shape, device.type)
     tp_modules: list[str] = []
