@@ -195,3 +195,38 @@ def rabbitmq(tmp_path_factory):
         yield node
     finally:
         node.close()
+
+
+# ---------------------------------------------------------------- state stores: SQLite and PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One private PostgreSQL for the whole session (tests/services/postgres.py); skips with the
+    reason where none can run."""
+    from services.postgres import PostgresServer
+
+    reason = PostgresServer.unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A fresh, empty state store: a SQLite file, or a database of its own on the session's
+    PostgreSQL (dropped afterwards)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'state.db'}"
+        return
+    server = request.getfixturevalue("postgres")
+    name = f"t_{os.getpid()}_{time.monotonic_ns()}"
+    server.create_database(name)
+    try:
+        yield server.url_of(name)
+    finally:
+        server.drop_database(name)

@@ -67,6 +67,13 @@ class StorageError(RelayError):
     http_status = 507
 
 
+class StoreUnavailable(RelayError):
+    """The state store (the ``--db`` URL) cannot be reached: names the URL, password hidden,
+    and the driver's reason."""
+
+    http_status = 503
+
+
 class CheckpointCorrupt(StorageError):
     """A checkpoint failed verification (missing manifest, bad checksum, missing file)."""
 
@@ -78,7 +85,7 @@ class StaleAttempt(Conflict):
 
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             Unschedulable, ServerUnavailable, StorageError,
-                                            CheckpointCorrupt, StaleAttempt)}
+                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable)}
 
 
 def error_class(name: str) -> type[RelayError]:

@@ -5,8 +5,11 @@ reason) after trying to install Debian's ``postgresql`` when it is missing (root
 ``PostgresServer()`` runs ``initdb`` and ``pg_ctl start`` as the ``postgres`` user
 (PostgreSQL refuses to run as root) in a folder of its own under the temp dir (the user must
 reach it, which a test's 0700 ``tmp_path`` does not allow) and creates one database; ``url``
-is its SQLAlchemy URL (psycopg 3). ``stop()`` is ``pg_ctl stop -m immediate`` and removes
-the folder; idempotent.
+is its SQLAlchemy URL (psycopg 3). ``create_database(name)`` / ``drop_database(name)`` (the
+latter ends its sessions first) and ``url_of(name)`` give each test a database of its own.
+``restart()`` stops the server at once (immediate mode: as a crash) and starts it again on the
+same port and data. ``stop()`` is ``pg_ctl stop -m immediate`` and removes the folder;
+idempotent.
 """
 from __future__ import annotations
 
@@ -82,13 +85,33 @@ class PostgresServer:
 
     def _start(self, database: str) -> None:
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
+        self._pg_ctl_start()
+        self.create_database(database)
+        self.url = self.url_of(database)
+
+    def _pg_ctl_start(self) -> None:
+        # a commit is in the WAL (the OS's page cache) before it is acknowledged, so an immediate stop
+        # (``restart``) loses nothing acknowledged; fsync is off: only a crash of this machine would
         options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.root} "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+                   "-c fsync=off -c full_page_writes=off -c max_connections=300")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"), "-o", options,
                   "-w", "-t", "60", "start")
         self._started = True
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", database)
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def url_of(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> None:
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name)
+
+    def drop_database(self, name: str) -> None:
+        self._run("dropdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "--force", "--if-exists", name)
+
+    def restart(self) -> None:
+        """Stop at once (as a crash would) and start again on the same port and data."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        self._started = False
+        self._pg_ctl_start()
 
     def _run(self, tool: str, *args: str) -> None:
         done = subprocess.run([*self._as_user, str(self.bin / tool), *args], capture_output=True, text=True,

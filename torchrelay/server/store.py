@@ -6,19 +6,23 @@ several hosts). This module only maps the tables and opens the database; ``rows.
 writes them, and the rules live in the decision modules (``lifecycle``, ``failures``,
 ``watchdogs``).
 
-``make_engine`` creates missing tables, and adds a column a newer server defines to a table an
-older server created (``ALTER TABLE … ADD COLUMN``, idempotent; see ``_add_missing_columns``), so
-an existing data dir keeps working.
+``make_engine`` migrates the store to this server's schema (alembic revisions in
+``migrations/versions``: a store an older server made keeps its rows) and raises
+``StoreUnavailable`` with the URL (password hidden) and the driver's reason when the database
+cannot be reached. The models here and the migrated schema must agree
+(``tests/unit/test_migrations.py``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine,
-                        event, inspect, text)
-from sqlalchemy.engine import Engine
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from torchrelay.errors import StoreUnavailable
+from torchrelay.server import migrations
 from torchrelay.server.views import job_id_of
 
 
@@ -77,12 +81,14 @@ class NodeRow(Base):
     cpus: Mapped[float] = mapped_column(Float)
     gpus: Mapped[int] = mapped_column(Integer, default=0)
     gpu_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    memory: Mapped[int] = mapped_column(Integer)
+    memory: Mapped[int] = mapped_column(BigInteger)  # bytes: past 2**31 on any real node
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     state: Mapped[str] = mapped_column(String(16))
     last_seen: Mapped[float] = mapped_column(Float)
     # what its executor last said of it (e.g. "slurmctld unreachable since …"); None for agents
     note: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # why no work is placed here although READY (its address is out of reach); None: none
+    problem: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class LaunchRow(Base):
@@ -99,7 +105,7 @@ class LaunchRow(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     cpu: Mapped[float] = mapped_column(Float, default=0)
     gpu: Mapped[int] = mapped_column(Integer, default=0)
-    memory: Mapped[int] = mapped_column(Integer, default=0)
+    memory: Mapped[int] = mapped_column(BigInteger, default=0)
     desired: Mapped[str] = mapped_column(String(8), default="run")
     stop_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # why the server asked it to stop: a ``torchrelay.server.views.StopKind`` value
@@ -179,10 +185,12 @@ class CursorRow(Base):
 
 
 def make_engine(url: str) -> Engine:
-    """Engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys. Creates tables."""
+    """Engine for ``url``, its store migrated to this server's schema; SQLite gets WAL, a busy
+    timeout and foreign keys. Raises ``StoreUnavailable`` (see the module docstring)."""
     is_sqlite = url.startswith("sqlite")
     engine = create_engine(url, future=True,
-                           connect_args={"check_same_thread": False, "timeout": 30} if is_sqlite else {},
+                           connect_args={"check_same_thread": False, "timeout": 30} if is_sqlite
+                           else {"connect_timeout": 10},
                            pool_pre_ping=not is_sqlite)
     if is_sqlite:
         @event.listens_for(engine, "connect")
@@ -192,39 +200,14 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
-    Base.metadata.create_all(engine)
-    _add_missing_columns(engine)
+    try:
+        migrations.upgrade(engine)
+    except OperationalError as exc:
+        engine.dispose()
+        shown = make_url(url).render_as_string(hide_password=True)
+        reason = str(exc.orig).strip() if exc.orig is not None else str(exc)
+        raise StoreUnavailable(f"cannot open the state store {shown}: {reason}") from None
     return engine
-
-
-# what a column added to an existing table starts as, where NULL would lose what older rows knew
-_BACKFILLS = {
-    # an older server found the attempt's placement in the job's events: the latest event of the
-    # states an attempt is placed in (SCHEDULED, or RESTARTING for a restart) is that moment
-    ("jobs", "placed_at"): "UPDATE jobs SET placed_at = COALESCE((SELECT MAX(e.time) FROM job_events e "
-                           "WHERE e.job_seq = jobs.seq AND e.state IN ('SCHEDULED', 'RESTARTING')), "
-                           "started_at, submitted_at) WHERE attempt > 0",
-    # an older server marked a max_runtime_s stop by the reason's wording alone
-    ("launches", "stop_kind"): "UPDATE launches SET stop_kind = 'runtime' "
-                               "WHERE stop_reason LIKE 'ran past max_runtime_s%'",
-}
-
-
-def _add_missing_columns(engine: Engine) -> None:
-    """Add every mapped column an existing table lacks (all are nullable), then fill it in from
-    what the older rows hold (``_BACKFILLS``). Idempotent: a column that exists is left alone."""
-    with engine.begin() as conn:
-        inspector = inspect(conn)
-        for table in Base.metadata.sorted_tables:
-            present = {c["name"] for c in inspector.get_columns(table.name)}
-            for column in table.columns:
-                if column.name in present:
-                    continue
-                kind = column.type.compile(dialect=conn.dialect)
-                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
-                backfill = _BACKFILLS.get((table.name, column.name))
-                if backfill:
-                    conn.execute(text(backfill))
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:

@@ -11,7 +11,9 @@ from torchrelay.client.cli.common import handle_errors
 @handle_errors
 def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for other hosts)"),
            port: int = typer.Option(8470, help="port; 0 lets the OS choose (see RELAY_HOME/server.json)"),
-           db: str = typer.Option(None, "--db", help="SQLAlchemy URL (default: SQLite in RELAY_HOME)"),
+           db: str = typer.Option(None, "--db", envvar="RELAY_DB",
+                                  help="state store, a SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/relay "
+                                       "(default: SQLite in RELAY_HOME); migrated at start"),
            store: str = typer.Option(None, "--store", help="artifact store URL, e.g. s3://bucket/prefix "
                                      "(default: the config file's, else RELAY_HOME/store)"),
            config: Path = typer.Option(None, "--config", help="YAML server config: the store's URL and options "
