@@ -8,6 +8,8 @@ which is exactly the trap real machines set for gloo (docs/design.md, gloo and h
 addresses).
 
 Contract:
+- This machine is on the bridge too, at ``bridge_address`` (the last address of the /24): a
+  test's own client reaches every host from where it runs, as a user's laptop would.
 - ``popen(host, argv, ...)`` starts ``argv`` inside ``host`` in a new session; the process
   group is owned and ended by ``close``.
 - ``cut(host)`` / ``restore(host)`` take the host's link down and up (a network partition
@@ -78,8 +80,10 @@ class TestHosts:
         self.hosts: list[Host] = []
         self._groups: list[subprocess.Popen] = []
         addresses = list(self.subnet.hosts())
+        self.bridge_address = str(addresses[-1])
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.bridge_address}/{self.subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i in range(n):
                 host = Host(name=f"tr{token}h{i}", address=str(addresses[i + 1]), ifname="eth0",

@@ -208,6 +208,14 @@ class NodeRegistration(_Model):
     memory: int = Field(description="bytes")
     labels: dict[str, str] = Field(default_factory=dict)
     node_id: str | None = Field(default=None, description="set when re-registering after a restart")
+    probe_port: int | None = Field(default=None, description="where the agent's reach probe listens on address "
+                                   "(the server connects before calling the node ready)")
+    probe_token: str | None = Field(default=None, description="what the probe answers with")
+
+
+def reach_greeting(token: str) -> bytes:
+    """What an agent's reach probe answers a connection with (``NodeRegistration.probe_token``)."""
+    return f"torchrelay-agent {token}\n".encode()
 
 
 class RegisterReply(_Model):
@@ -232,6 +240,8 @@ class NodeInfo(_Model):
     launches: list[str] = Field(default_factory=list, description="launch ids placed here")
     note: str | None = Field(default=None, description="what the node's executor last said of it (Slurm: "
                              "whether slurmctld answers)")
+    problem: str | None = Field(default=None, description="why no job is placed here although the node is READY "
+                                "(e.g. its address cannot be reached)")
 
 
 class LaunchReport(_Model):

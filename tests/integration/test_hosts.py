@@ -23,6 +23,10 @@ store = dist.TCPStore(head, port, 2, is_master=rank == 0, timeout=datetime.timed
                      wait_for_workers=False)
 if rank == 0:
     print("PORT", store.port, flush=True)
+    store.wait(["peer"], datetime.timedelta(seconds=120))  # the peer's start (import torch) is not timed
+else:
+    store.set("peer", "here")
+# the short timeout is gloo's (and the exchange of its addresses): the plain case fails fast
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=6))
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
@@ -98,7 +102,7 @@ def test_gloo_across_hosts_needs_the_interface_of_the_advertised_address(hosts):
 NETIF = r"""
 import sys
 from torchrelay.agent.netif import interface_addresses, interface_env, route_address
-print(interface_addresses().get("eth0"), route_address(f"http://{sys.argv[1]}:9"), interface_env(sys.argv[2]).get("GLOO_SOCKET_IFNAME"))
+print(interface_addresses()["eth0"][0], route_address(f"http://{sys.argv[1]}:9"), interface_env(sys.argv[2]).get("GLOO_SOCKET_IFNAME"))
 """
 
 

@@ -148,6 +148,16 @@ def test_store_options_from_the_server_credentials_from_the_node(tmp_path, store
     assert env.get("AWS_SECRET_ACCESS_KEY") == base.get("AWS_SECRET_ACCESS_KEY")
 
 
+@pytest.mark.parametrize("base, node, job_env, expected", [
+    ({}, {"GLOO_SOCKET_IFNAME": "eth0"}, {}, "eth0"),                       # the node's transports
+    ({"GLOO_SOCKET_IFNAME": "lo"}, {"GLOO_SOCKET_IFNAME": "eth0"}, {}, "eth0"),
+    ({}, {"GLOO_SOCKET_IFNAME": "eth0"}, {"GLOO_SOCKET_IFNAME": "ib0"}, "ib0"),  # a job's env wins
+])
+def test_the_nodes_transport_env_sits_between_its_environment_and_the_jobs(tmp_path, base, node, job_env, expected):
+    env = build_worker_env(assignment(env=job_env), base_env=base, run_dir=tmp_path, relay_address="", node_env=node)
+    assert env["GLOO_SOCKET_IFNAME"] == expected
+
+
 @pytest.mark.parametrize("base, job_env, granted, expected", [
     ({}, {}, None, None),                                               # a node without gpus: untouched
     ({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, None, "0,1"),

@@ -3,17 +3,20 @@ import signal
 
 import pytest
 
-from torchrelay.server.failures import FailureAction, blame, decide_failure
+from torchrelay.server.failures import FailureAction, blame, decide_failure, outside_the_job
 from torchrelay.server.views import LaunchView
 from torchrelay.spec import LaunchState
 from torchrelay.wire import FailureInfo
 
 
-def failed(node_rank, ranks, stopped=False, message="", node_name=None):
+def failed(node_rank, ranks, stopped=False, message="", node_name=None, infra=False):
     name = node_name if node_name is not None else f"node{node_rank}"
     return LaunchView(id=f"job-1-a2-n{node_rank}", attempt=2, node_id=f"n{node_rank}", node_name=name,
                       node_rank=node_rank, state=LaunchState.EXITED, succeeded=False, stopped=stopped,
-                      message=message, ranks=tuple(ranks))
+                      message=message, ranks=tuple(ranks), infra=infra)
+
+
+LOST = dict(infra=True, message="node node0 lost (no heartbeat for 3 s)")
 
 
 @pytest.mark.parametrize("launches, reason, rank, node", [
@@ -43,10 +46,29 @@ def failed(node_rank, ranks, stopped=False, message="", node_name=None):
     ([failed(0, [], message="the agent no longer runs this launch")], "the agent no longer runs this launch", None,
      "node0"),
     ([failed(0, [])], "launch on node node0 failed", None, "node0"),
+    # a node was lost and its peer stopped for it: the loss explains the attempt
+    ([failed(0, [], **LOST), failed(1, [{"rank": 1}], stopped=True, message="stopped: rank 1: no exit record")],
+     "node node0 lost (no heartbeat for 3 s)", None, "node0"),
+    # ...but a rank that failed by itself still does
+    ([failed(0, [], **LOST), failed(1, [{"rank": 1, "exit_code": 3}])], "rank 1 exited with code 3", 1, "node1"),
 ])
 def test_blame(launches, reason, rank, node):
     info = blame(launches, attempt=2)
     assert (info.reason, info.rank, info.node, info.attempt) == (reason, rank, node, 2)
+
+
+@pytest.mark.parametrize("launches, outside", [
+    ([failed(0, [], **LOST)], True),
+    # a lost node's peers, stopped by the server because of it: still no fault of the job
+    ([failed(0, [], **LOST), failed(1, [{"rank": 1, "signal": 15}], stopped=True)], True),
+    # a peer that failed by itself is the job's own failure
+    ([failed(0, [], **LOST), failed(1, [{"rank": 1, "exit_code": 3}])], False),
+    # stopped launches without any lost node: the job's (a peer failed)
+    ([failed(1, [{"rank": 1, "signal": 15}], stopped=True)], False),
+    ([failed(0, [{"rank": 0, "exit_code": 1}])], False),
+])
+def test_outside_the_job(launches, outside):
+    assert outside_the_job(launches) is outside
 
 
 def test_blame_carries_the_ranks_exit_and_last_lines():

@@ -9,7 +9,9 @@ Contract:
   ``python -m WORKER_MODULE --no-supervisor ...`` (the exit hook in that one process), code or
   a program as its own command line.
 - ``build_worker_env``: the environment of every process of a launch, in layers, each winning
-  over the one before: the node's own environment; ``assignment.env`` (what the server built:
+  over the one before: the node's own environment; the node's transports (``node_env``: the
+  socket interface of its advertised address and ``RELAY_PS_HOST``, ``netif.transport_env``);
+  ``assignment.env`` (what the server built:
   the job's ``env`` and ``RELAY_STRATEGY``, ``RELAY_GPUS_PER_WORKER`` and the like); the
   assignment's identity as ``RELAY_*`` variables (the store's URL and its public options as
   ``RELAY_STORE_OPTIONS``; the store's credentials are the node's own, from its environment); last what only this agent knows (the
@@ -68,7 +70,8 @@ def direct_command(target: WorkerTarget, python: str = sys.executable) -> list[s
 
 
 def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str, str],
-                     run_dir: Path, relay_address: str, cuda_visible_devices: str | None = None) -> dict[str, str]:
+                     run_dir: Path, relay_address: str, cuda_visible_devices: str | None = None,
+                     node_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a launch's processes (torchrun passes it on to every worker).
 
     ``OMP_NUM_THREADS`` defaults to 1 unless ``base_env`` or ``assignment.env`` sets it;
@@ -76,6 +79,7 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
     ``torchrelay.agent.gpus``; None: leave the variable as it is) wins over both.
     """
     env = dict(base_env)
+    env.update(node_env or {})
     env.update(assignment.env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update({  # the assignment's identity: a job's env cannot change it

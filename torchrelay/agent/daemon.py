@@ -5,9 +5,14 @@ Contract:
   fill with fakes: ``launch_factory`` (how a launch is made; by default ``launcher.Launch`` with
   the agent's zygote), ``server`` (a ``server_link.ServerLink``; by default HTTP to ``address``)
   and ``sweep`` (what kills the processes an earlier agent's launch left; returns how many).
-- ``Agent.run(stop_event)`` blocks until ``stop_event`` is set, then calls ``close``. First the
-  processes of launches in ``work_dir`` that an earlier agent left (it was killed without
-  ``close``) are killed; then two threads run:
+- ``Agent.run(stop_event)`` blocks until ``stop_event`` is set, then calls ``close``. First it
+  refuses (``ValueError`` naming the address and this host's interfaces) a ``host`` that no
+  interface here holds, works out what its launches get for their transports
+  (``netif.transport_env``: the interface of ``host``, or the ``socket_ifname`` label) and opens
+  the reach probe on ``host`` (``reach.ReachProbe``; its port and token go in the registration,
+  and the server connects to it before it places work here); then the processes of launches in
+  ``work_dir`` that an earlier agent left (it was killed without ``close``) are killed; then two
+  threads run:
   * the **poller** registers (under the node id saved in ``work_dir``, if any, so that the
     server learns at once that the launches it thought running here are gone; retried until
     the server answers, and again when the server no longer knows the node), then long-polls
@@ -61,8 +66,10 @@ from torchrelay.agent.bundles import BundleCache
 from torchrelay.agent.cgroups import AgentCgroups, CgroupError, CgroupUnavailable
 from torchrelay.agent.gpus import GpuSlots
 from torchrelay.agent.launcher import Launch
+from torchrelay.agent.netif import check_advertised, transport_env
 from torchrelay.agent.outbox import Carrier, Entry, Outbox
 from torchrelay.agent.processes import kill_launch_processes
+from torchrelay.agent.reach import ReachProbe
 from torchrelay.agent.reconcile import LaunchState, plan_reconcile
 from torchrelay.agent.resources import detect_cpus, detect_gpus, detect_launcher_labels, detect_memory
 from torchrelay.agent.runner import LaunchFactory, LaunchHandle, LaunchRunner, RunnerDeps
@@ -140,16 +147,25 @@ class Agent:
         self._courier_wake = threading.Event()
         self._courier_done = threading.Event()
         self._courier: threading.Thread | None = None
+        self.node_env: dict[str, str] = {}  # what every launch gets for its transports (set by ``run``)
+        self.probe: ReachProbe | None = None
 
     # -------------------------------------------------------------- public
 
     def registration(self) -> wire.NodeRegistration:
         return wire.NodeRegistration(name=self.name, address=self.host, cpus=self.cpus,
                                      gpus=self.gpus, gpu_type=self.gpu_type, memory=self.memory,
-                                     labels=self.labels, node_id=self.node_id)
+                                     labels=self.labels, node_id=self.node_id,
+                                     probe_port=self.probe.port if self.probe else None,
+                                     probe_token=self.probe.token if self.probe else None)
 
     def run(self, stop_event: threading.Event) -> None:
-        """Serve until ``stop_event`` is set, then ``close()``. Blocks."""
+        """Serve until ``stop_event`` is set, then ``close()``. Blocks. Raises ``ValueError`` when
+        no interface of this host holds ``host``."""
+        interface = check_advertised(self.host)
+        self.node_env = transport_env(self.host, labels=self.labels, agent_env=dict(os.environ))
+        log.info("advertising %s (interface %s); launches get %s", self.host, interface, self.node_env)
+        self.probe = ReachProbe(self.host)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._end_orphans()
         self._open_cgroups()
@@ -182,6 +198,8 @@ class Agent:
             self.zygote.close()
         if self.cgroups is not None:
             self.cgroups.close()
+        if self.probe is not None:
+            self.probe.close()
         self._courier_done.set()
         self._wake_courier()
         if self._courier is not None:
@@ -230,7 +248,8 @@ class Agent:
             assignment.launch_id, cpu_per_worker=assignment.cpu, memory_per_worker=assignment.memory,
             workers=assignment.nproc_per_node)
         return Launch(assignment, code_dir=code_dir, run_dir=run_dir, relay_address=self.address,
-                      zygote=self.zygote, cuda_visible_devices=cuda_visible_devices, cgroup=cgroup)
+                      zygote=self.zygote, cuda_visible_devices=cuda_visible_devices, cgroup=cgroup,
+                      node_env=self.node_env)
 
     def _open_cgroups(self) -> None:
         """This agent's cgroup, with its offer as the ceiling (see the module docstring)."""

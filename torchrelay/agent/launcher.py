@@ -87,11 +87,12 @@ class Launch:
                  relay_address: str = "", python: str = sys.executable,
                  base_env: Mapping[str, str] | None = None, zygote: Zygote | None = None,
                  cuda_visible_devices: str | None = None, backend: BackendKind | None = None,
-                 cgroup: LaunchCgroup | None = None):
+                 cgroup: LaunchCgroup | None = None, node_env: Mapping[str, str] | None = None):
         self.assignment = assignment
         self.run_dir = Path(run_dir)
         self.relay_address = relay_address
         self.cuda_visible_devices = cuda_visible_devices
+        self.node_env = dict(node_env or {})  # the node's transports (netif.transport_env)
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.cgroup = cgroup
         place = LaunchPlace(assignment=assignment, code_dir=Path(code_dir), run_dir=self.run_dir, python=python,
@@ -142,7 +143,8 @@ class Launch:
             for sub in ("logs", "metrics", "status"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             env = build_worker_env(self.assignment, base_env=self.base_env, run_dir=self.run_dir,
-                                   relay_address=self.relay_address, cuda_visible_devices=self.cuda_visible_devices)
+                                   relay_address=self.relay_address, cuda_visible_devices=self.cuda_visible_devices,
+                                   node_env=self.node_env)
             try:
                 if self.cgroup is not None:
                     self.cgroup.create()

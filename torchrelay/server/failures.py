@@ -3,6 +3,8 @@
 - ``blame(failed, attempt)``: the ``FailureInfo`` that explains an attempt from its failed
   launches: the rank that died first and was not stopped because of a peer, with its exit code
   or signal and its last lines.
+- ``outside_the_job(failed)``: whether an attempt failed for a reason outside the job only (a
+  lost node: its launches, and the peers' launches the server stopped because of them).
 - ``decide_failure(failure, ...)``: a ``FailureDecision``: restart (counted against
   ``max_restarts`` or not) or fail, with the event message the job records.
 
@@ -51,6 +53,13 @@ def decide_failure(failure: FailureInfo, *, infra_only: bool, restarts: int, max
     return FailureDecision(action=FailureAction.FAIL, counted=False, failure=failure, message=failure.reason)
 
 
+def outside_the_job(failed: Sequence[LaunchView]) -> bool:
+    """True when some failed launch failed for a reason outside the job (``infra``: its node
+    was lost) and every other one only because the server stopped it for that (a job across
+    nodes loses one: its peers' launches are stopped, which is no fault of the job)."""
+    return any(x.infra for x in failed) and all(x.infra or x.stopped for x in failed)
+
+
 def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
     """The failing rank that explains the attempt: one that did not return and was not killed
     because a peer failed, else the first one that did not return. ``failed`` is not empty."""
@@ -63,8 +72,11 @@ def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
         failed_ranks = [r for r in (RankExit.model_validate(d) for d in launch.ranks) if not r.returned]
         for position, rank in enumerate(failed_ranks):
             candidates.append((2 if launch.stopped else (1 if position else 0), launch.node_rank, launch, rank))
+    lost = next((x for x in failed if x.infra), None)
+    if lost is not None and all(priority == 2 for priority, *_ in candidates):
+        candidates = []  # the peers were stopped because a node was lost: the loss explains it
     if not candidates:
-        launch = failed[0]
+        launch = lost or failed[0]
         return FailureInfo(reason=launch.message or f"launch on node {launch.node_name} failed",
                            node=launch.node_name, attempt=attempt)
     candidates.sort(key=lambda c: (c[0], c[1]))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from torchrelay.server.failures import FailureAction, FailureDecision, blame, decide_failure
+from torchrelay.server.failures import FailureAction, FailureDecision, blame, decide_failure, outside_the_job
 from torchrelay.server.views import JobView, LaunchView, Stop, StopKind
 from torchrelay.spec import JobState, LaunchState, can_launch_transition
 from torchrelay.wire import FailureInfo
@@ -98,7 +98,7 @@ def _after_failure(job: JobView, failed: list[LaunchView], steps: tuple[Transiti
         return JobDecision(transitions=steps, failure=failure,
                            stop=Stop(kind=StopKind.ATTEMPT_FAILED, reason=f"attempt {job.attempt} failed: "
                                      f"{failure.reason}"))
-    verdict = decide_failure(failure, infra_only=all(x.infra for x in failed), restarts=job.restarts,
+    verdict = decide_failure(failure, infra_only=outside_the_job(failed), restarts=job.restarts,
                              max_restarts=job.max_restarts)
     if verdict.action == FailureAction.RESTART:
         return JobDecision(transitions=steps + (Transition(_S.RESTARTING, verdict.message),), failure=failure,

@@ -389,18 +389,20 @@ class Rows:
     def _node_event(self, node: NodeRow, now: float) -> None:
         self.s.add(NodeEventRow(node_id=node.id, node_name=node.name, time=now, state=node.state))
 
-    def register_node(self, reg: NodeRegistration, now: float) -> str:
-        """Add the node, or update a known one (same node_id) and make it READY. Returns its id."""
+    def register_node(self, reg: NodeRegistration, now: float, problem: str | None = None) -> str:
+        """Add the node, or update a known one (same node_id) and make it READY, with ``problem``
+        (``reachability.problem_of``: None, or why it gets no work). Returns its id."""
         node = self.s.get(NodeRow, reg.node_id) if reg.node_id else None
         if node is None:
             node = NodeRow(id=reg.node_id or f"node-{uuid.uuid4().hex[:8]}", name=reg.name, address=reg.address,
                            cpus=reg.cpus, gpus=reg.gpus, gpu_type=reg.gpu_type, memory=reg.memory,
-                           labels=reg.labels, state=NodeState.READY.value, last_seen=now)
+                           labels=reg.labels, state=NodeState.READY.value, last_seen=now, problem=problem)
             self.s.add(node)
             self._node_event(node, now)
         else:
             node.name, node.address, node.cpus, node.gpus = reg.name, reg.address, reg.cpus, reg.gpus
             node.gpu_type, node.memory, node.labels = reg.gpu_type, reg.memory, reg.labels
+            node.problem = problem
             self.set_node_state(node, NodeState.READY, now)
             node.last_seen = now
         self.nodes_changed()
@@ -499,7 +501,8 @@ class Rows:
                 cpus=node.cpus, gpus=node.gpus, gpu_type=node.gpu_type, memory=node.memory,
                 labels=node.labels or {}, last_seen=node.last_seen,
                 used_cpus=sum(x.cpu * x.nproc for x in live), used_gpus=sum(x.gpu * x.nproc for x in live),
-                used_memory=sum(x.memory * x.nproc for x in live), launches=[x.id for x in live], note=node.note))
+                used_memory=sum(x.memory * x.nproc for x in live), launches=[x.id for x in live], note=node.note,
+                problem=node.problem))
         return out
 
 
@@ -521,7 +524,7 @@ def node_facts(conn: Any) -> NodeFacts:
     for n in conn.execute(select(nodes).order_by(nodes.c.id)):
         views.append(policy.NodeView(id=n.id, cpus=n.cpus, gpus=n.gpus, memory=n.memory, gpu_type=n.gpu_type,
                                      labels=tuple(sorted((n.labels or {}).items())),
-                                     ready=n.state == NodeState.READY.value))
+                                     ready=n.state == NodeState.READY.value and not n.problem))
         names[n.id], gpu_types[n.id] = n.name, n.gpu_type
     return NodeFacts(views=tuple(views), names=names, gpu_types=gpu_types)
 

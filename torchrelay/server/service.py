@@ -32,6 +32,7 @@ from torchrelay.server.control import Control
 from torchrelay.server.executors import Executor, Executors
 from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
+from torchrelay.server.reachability import problem_of
 from torchrelay.server.rows import Database, live_on_node, node_assignments, node_for_reply, touch_node
 from torchrelay.server.scheduling import queue_rows
 from torchrelay.server.submissions import Submissions
@@ -250,9 +251,13 @@ class ClusterService:
     # ------------------------------------------------------------ nodes and agents
 
     def register(self, reg: NodeRegistration) -> RegisterReply:
-        """Add a node, or bring a known one (same node_id) back to READY. Idempotent."""
+        """Add a node, or bring a known one (same node_id) back to READY. Idempotent. Blocks up to
+        a few seconds on a node whose reach probe does not answer (``reachability``)."""
+        problem = problem_of(reg)
+        if problem:
+            _log.warning("node %s (%s): %s", reg.name, reg.address, problem)
         with self.db.write() as rows:
-            node_id = rows.register_node(reg, self.clock())
+            node_id = rows.register_node(reg, self.clock(), problem)
         return RegisterReply(node_id=node_id, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def heartbeat(self, node_id: str, hb: Heartbeat) -> HeartbeatReply:

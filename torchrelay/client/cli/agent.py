@@ -14,7 +14,10 @@ from torchrelay.client.cli.common import fail, handle_errors, key_values
 @handle_errors
 def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", help="server URL"),
           name: str = typer.Option(None, help="node name (default: host name)"),
-          host: str = typer.Option("127.0.0.1", help="address other nodes reach this node's workers at"),
+          host: str = typer.Option(None, help="address other nodes reach this node's workers at (default: "
+                                   "this host's address on the route to the server); it must be on one "
+                                   "of this host's interfaces, whose name the workers' gloo, TensorPipe "
+                                   "and NCCL then use (the node label socket_ifname=NAME overrides)"),
           cpus: float = typer.Option(None, help="cpus to offer (default: all)"),
           gpus: int = typer.Option(None, help="gpus to offer (default: all found)"),
           gpu_type: str = typer.Option(None, "--gpu-type",
@@ -36,6 +39,7 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
 
     labels = key_values(label, "--label")
     name = name or socket.gethostname()
+    host = _advertised(host, address)
     try:
         node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,
                      memory=parse_memory(memory) if memory else None,
@@ -50,3 +54,24 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", 
         node.run(stop)
     finally:
         node.close()
+
+
+def _advertised(host: str | None, address: str) -> str:
+    """``host`` when it is on an interface here (else exit naming it and the interfaces); without
+    it, this host's address on the route to the server, said aloud."""
+    from torchrelay.agent.netif import check_advertised, route_address
+
+    chosen = host is None
+    if host is None:
+        try:
+            host = route_address(address)
+        except OSError as exc:
+            fail(f"cannot find this host's address on the route to {address} ({exc.strerror or exc}); give --host")
+    try:
+        interface = check_advertised(host)
+    except ValueError as exc:
+        fail(str(exc))
+    if chosen:
+        typer.echo(f"advertising {host} (interface {interface}, on the route to {address}); --host overrides",
+                   err=True)
+    return host
