@@ -17,9 +17,9 @@ class Clock:
 
 
 @pytest.fixture
-def svc(tmp_path):
+def svc(tmp_path, db_url):  # every service test runs on SQLite and on PostgreSQL (conftest's db_url)
     clock = Clock()
-    service = ClusterService(f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store"),
+    service = ClusterService(db_url, str(tmp_path / "store"),
                              heartbeat_timeout_s=10, clock=clock)
     service.clock_ref = clock
     yield service
@@ -217,8 +217,8 @@ def test_logs_and_metrics_resends_are_harmless(svc):
     assert svc.get_job(job.id).last_metrics["step"] == 3
 
 
-def test_state_survives_a_new_service_on_the_same_file(tmp_path):
-    url, store = f"sqlite:///{tmp_path / 's.db'}", str(tmp_path / "store")
+def test_state_survives_a_new_service_on_the_same_file(tmp_path, db_url):
+    url, store = db_url, str(tmp_path / "store")
     a = ClusterService(url, store)
     a.register(NodeRegistration(name="a", address="127.0.0.1", cpus=2, memory=2**30))
     ids = [a.submit(spec(workers=1), None, None).id for _ in range(3)]
@@ -403,9 +403,9 @@ def test_job_past_max_runtime_is_stopped_and_failed_not_restarted(svc):
     assert "max_runtime_s=30" in info.failure.reason and "max_runtime_s=30" in info.events[-1].message
 
 
-def test_max_runtime_counts_from_placement_after_a_server_restart(tmp_path):
+def test_max_runtime_counts_from_placement_after_a_server_restart(tmp_path, db_url):
     clock = Clock()
-    url, store = f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store")
+    url, store = db_url, str(tmp_path / "store")
     a = ClusterService(url, store, clock=clock, heartbeat_timeout_s=1000)
     n1 = a.register(NodeRegistration(name="a", address="127.0.0.1", cpus=2, memory=2**30)).node_id
     job = a.submit(spec(workers=1, max_runtime_s=30), None, "u")
