@@ -74,6 +74,13 @@ class StoreUnavailable(RelayError):
     http_status = 503
 
 
+class NotLeader(RelayError):
+    """This server follows another one, which leads the cluster: names the leader (also in the
+    reply's ``leader`` field and ``x-relay-leader`` header)."""
+
+    http_status = 503
+
+
 class CheckpointCorrupt(StorageError):
     """A checkpoint failed verification (missing manifest, bad checksum, missing file)."""
 
@@ -85,7 +92,7 @@ class StaleAttempt(Conflict):
 
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             Unschedulable, ServerUnavailable, StorageError,
-                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable)}
+                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader)}
 
 
 def error_class(name: str) -> type[RelayError]:

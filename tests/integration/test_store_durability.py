@@ -26,15 +26,15 @@ JOBS = Path(__file__).resolve().parents[1] / "jobs" / "plain"
 class Server:
     """``relay server`` on ``db_url`` and a port the OS chose at the first start, kept across restarts."""
 
-    def __init__(self, home: Path, db_url: str):
-        self.home, self.db_url, self.port, self.proc = home, db_url, 0, None
+    def __init__(self, home: Path, db_url: str, *args: str):
+        self.home, self.db_url, self.args, self.port, self.proc = home, db_url, args, 0, None
 
     def start(self) -> str:
         from torchrelay.home import read_json, server_file
 
         server_file(self.home).unlink(missing_ok=True)
         log = open(self.home / "server.log", "ab")
-        self.proc = subprocess.Popen([*CLI, "server", "--port", str(self.port), "--heartbeat-timeout", "20"],
+        self.proc = subprocess.Popen([*CLI, "server", "--port", str(self.port), "--heartbeat-timeout", "20", *self.args],
                                      env={**os.environ, "RELAY_HOME": str(self.home), "RELAY_DB": self.db_url},
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

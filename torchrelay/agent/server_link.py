@@ -10,6 +10,11 @@ Contract:
 - Each raises ``ServerUnreachable`` when no answer came (connection refused or broken, timeout),
   ``ServerRefused`` (with the status code) when the server answered with an error, and
   ``NodeUnknown`` (a ``ServerRefused``) when a heartbeat names a node the server does not know.
+- ``address`` may name several servers of one cluster, comma-separated
+  (``torchrelay.servers``): a call that gets no answer moves the link to the next server, and
+  one that reaches a follower (503 naming the leader) moves it to the leader; that call still
+  raises ``ServerUnreachable``, and the agent's own retry goes to the new server. Launches are
+  never touched by any of this: they run on while the agent looks for a leader.
 - ``close()`` ends the connections, a long poll in flight included (it raises
   ``ServerUnreachable`` in its caller's thread). Idempotent.
 """
@@ -23,6 +28,7 @@ from pydantic import BaseModel
 
 from torchrelay import wire
 from torchrelay.agent.outbox import EntryKind
+from torchrelay.servers import ServerList, parse_addresses
 
 
 class ServerUnreachable(ConnectionError):
@@ -63,18 +69,33 @@ class HttpServerLink:
     """``ServerLink`` over HTTP. Thread-safe (httpx clients are)."""
 
     def __init__(self, address: str, *, long_poll_s: float, timeout_s: float = 10.0, bundle_timeout_s: float = 300.0):
-        base = address.rstrip("/") + wire.API_PREFIX
+        self.servers = ServerList(parse_addresses(address))
+        base = self.servers.current + wire.API_PREFIX
         self.bundle_timeout_s = bundle_timeout_s
         self._http = httpx.Client(base_url=base, timeout=timeout_s)
         self._poll_http = httpx.Client(base_url=base, timeout=long_poll_s + 15.0)
 
-    def _post(self, client: httpx.Client, path: str, body: BaseModel) -> httpx.Response:
+    def _move(self, failed: str, leader: str | None, why: str) -> None:
+        now = self.servers.moved(failed, leader)
+        if now != failed:
+            self._http.base_url = self._poll_http.base_url = now + wire.API_PREFIX
+        raise ServerUnreachable(f"{why}; next: {now}")
+
+    def _call(self, client: httpx.Client, method: str, path: str, **kw) -> httpx.Response:
+        tried = self.servers.current
         try:
-            return client.post(path, json=body.model_dump(mode="json"))
+            reply = client.request(method, path, **kw)
         except httpx.HTTPError as exc:
-            raise ServerUnreachable(f"POST {path}: {exc}") from exc
+            self._move(tried, None, f"{method} {path} at {tried}: {exc}")
         except RuntimeError as exc:  # a client closed under the call ("Cannot send a request...")
-            raise ServerUnreachable(f"POST {path}: {exc}") from exc
+            raise ServerUnreachable(f"{method} {path}: {exc}") from exc
+        leader = reply.headers.get("x-relay-leader") if reply.status_code == 503 else None
+        if leader and leader.rstrip("/") != tried:
+            self._move(tried, leader, f"{tried} follows; the leader is {leader}")
+        return reply
+
+    def _post(self, client: httpx.Client, path: str, body: BaseModel) -> httpx.Response:
+        return self._call(client, "POST", path, json=body.model_dump(mode="json"))
 
     def register(self, registration: wire.NodeRegistration) -> wire.RegisterReply:
         reply = _checked(self._post(self._http, "/nodes/register", registration))
@@ -94,11 +115,7 @@ class HttpServerLink:
         _checked(self._post(self._http, f"/jobs/{job_id}/{kind.value}", body))
 
     def fetch_bundle(self, digest: str) -> bytes:
-        try:
-            reply = self._http.get(f"/bundles/{digest}", timeout=self.bundle_timeout_s)
-        except httpx.HTTPError as exc:
-            raise ServerUnreachable(f"GET /bundles/{digest}: {exc}") from exc
-        return _checked(reply).content
+        return _checked(self._call(self._http, "GET", f"/bundles/{digest}", timeout=self.bundle_timeout_s)).content
 
     def close(self) -> None:
         self._http.close()

@@ -5,7 +5,10 @@ running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the
 ``torchrelay.errors`` (``NotFound``, ``InvalidSpec``…); no server answering raises
 ``ServerUnavailable`` saying where it looked, where the address came from (and, when
 ``RELAY_ADDRESS`` and the server ``RELAY_HOME`` records disagree, both) and how to start one.
-Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip.
+Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip per
+server tried. The address may name several servers of one cluster, comma-separated: a call
+that finds no answer tries the next, and one that reaches a follower goes to the leader it
+names (``torchrelay.servers``); ``address`` is the one in use.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torchrelay.client.replies import raise_for_error
 from torchrelay.client.streams import follow_stream
 from torchrelay.errors import RelayError, ServerUnavailable
 from torchrelay.home import read_json, relay_home, server_file
+from torchrelay.servers import ServerList, parse_addresses
 from torchrelay.spec import JobSpec
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, EventRecord, JobInfo, LogLine, LogPage, MetricPage,
                              MetricPoint, NodeInfo, SeriesPage, SubmitRequest)
@@ -54,10 +58,19 @@ class RelayClient:
                 f"no torchrelay server is named: RELAY_ADDRESS is unset and {server_file(relay_home())} "
                 "does not exist. Start one with `relay up` (embedded cluster) or `relay server`, "
                 "or set RELAY_ADDRESS=http://HOST:PORT")
-        self.address, self._source = resolved
+        named, self._source = resolved
+        try:
+            self._servers = ServerList(parse_addresses(named))
+        except ValueError as exc:
+            raise ServerUnavailable(f"{exc} (from {self._source.value})") from None
         self.user = user or os.environ.get("RELAY_USER") or _login_name()
         self._http = httpx.Client(base_url=self.address + API_PREFIX, timeout=timeout,
                                   headers={"x-relay-user": self.user})
+
+    @property
+    def address(self) -> str:
+        """The server in use (the leader, once one answered)."""
+        return self._servers.current
 
     def close(self) -> None:
         self._http.close()
@@ -71,14 +84,31 @@ class RelayClient:
     # ------------------------------------------------------------ plumbing
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
-        try:
-            extra = {"timeout": timeout} if timeout is not None else {}
-            resp = self._http.request(method, path, **kw, **extra)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-            raise ServerUnavailable(unreachable_message(
-                self.address, self._source, type(exc).__name__, home=str(relay_home()),
-                recorded=recorded_address())) from None
+        extra = {"timeout": timeout} if timeout is not None else {}
+        for tries_left in range(len(self._servers.addresses), -1, -1):  # each server once, and a leader named
+            tried = self.address
+            try:
+                resp = self._http.request(method, path, **kw, **extra)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                if tries_left and self._move(tried, None):
+                    continue
+                raise ServerUnavailable(unreachable_message(
+                    tried, self._source, type(exc).__name__, home=str(relay_home()),
+                    recorded=recorded_address())) from None
+            leader = resp.headers.get("x-relay-leader") if resp.status_code == 503 else None
+            if leader and leader.rstrip("/") != tried and tries_left and self._move(tried, leader):
+                continue  # a follower: go to the leader it names
+            break
         raise_for_error(resp)
+        return resp
+
+    def _move(self, failed: str, leader: str | None) -> bool:
+        """Switch to the next server (or ``leader``); False when there is no other to try."""
+        now = self._servers.moved(failed, leader)
+        if now == failed:
+            return False
+        self._http.base_url = now + API_PREFIX
+        return True
         return resp
 
     def _get(self, path: str, **kw: Any) -> Any:

@@ -33,20 +33,23 @@ from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, Hea
 MAX_WAIT_S = 60.0
 
 
-def create_app(service: ClusterService) -> FastAPI:
-    """The server app. The scheduler thread runs while the app is served."""
+def create_app(service: ClusterService, lifecycle: Any = None) -> FastAPI:
+    """The server app. The scheduler thread runs while the app is served; ``lifecycle`` (an
+    object with ``start``/``stop``, e.g. ``leadership.Leadership``) starts and stops it instead
+    of the service itself."""
+    owner = lifecycle or service
 
     exporter = tensorboard.Exporter(service)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        service.start()
+        owner.start()
         exporter.start()
         try:
             yield
         finally:
             exporter.stop()
-            service.stop()
+            owner.stop()
 
     app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
                   openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)

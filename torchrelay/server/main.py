@@ -23,6 +23,7 @@ from torchrelay.server.config import load_server_config
 from torchrelay.server.executors import Executor
 from torchrelay.server.events.relay import EventRelay
 from torchrelay.server.events.urls import parse_sink_url
+from torchrelay.server.leadership import Leadership
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.service import ClusterService
 from torchrelay.storage import ArtifactStore, Guarantee
@@ -72,13 +73,16 @@ def open_checked_store(url: str, options: dict) -> ArtifactStore:
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
           quotas_file: Path | None = None, executors: Sequence[Executor] = (),
-          config_file: Path | None = None, events: Sequence[str] = ()) -> None:
+          config_file: Path | None = None, events: Sequence[str] = (), advertise: str | None = None) -> None:
     """Serve until interrupted. Raises, before binding: InvalidSpec naming the file and entry when
     ``quotas_file`` or ``config_file`` is malformed, or naming the URL when one of ``events`` is;
     StorageError with the store's own reason when the artifact store cannot be opened, reached or
-    written (a missing package, wrong credentials, a missing bucket). Raises OSError naming the
-    address when it cannot bind. A sink that cannot be reached is logged and retried by its
-    relay, never fatal (docs/queues.md)."""
+    written (a missing package, wrong credentials, a missing bucket); StoreUnavailable when the
+    state store (``db_url``) cannot be reached. Raises OSError naming the address when it cannot
+    bind. A sink that cannot be reached is logged and retried by its relay, never fatal
+    (docs/queues.md). On PostgreSQL several servers may share one state store: one leads, the
+    others answer where it is (``leadership.py``); ``advertise`` is the URL they name for this one
+    (default: the address it listens on)."""
     quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
     config = load_server_config(config_file) if config_file else None
     sink_urls = [parse_sink_url(url) for url in events]
@@ -97,7 +101,9 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
     service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
-    app = create_app(service)
+    leadership = Leadership(service, (advertise or address).rstrip("/"))
+    app = create_app(service, lifecycle=leadership)
+    leadership.guard(app)
     relays = [EventRelay(url, service.engine) for url in sink_urls]
     for relay in relays:
         relay.start()

@@ -184,6 +184,17 @@ class CursorRow(Base):
     last_seq: Mapped[int] = mapped_column(Integer)
 
 
+class LeaderRow(Base):
+    """Which server leads (one row, id 1): written by a server when it is elected
+    (``leadership.py``); followers point clients and agents there."""
+
+    __tablename__ = "leader"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    url: Mapped[str] = mapped_column(String(256))
+    since: Mapped[float] = mapped_column(Float)
+
+
 def make_engine(url: str) -> Engine:
     """Engine for ``url``, its store migrated to this server's schema; SQLite gets WAL, a busy
     timeout and foreign keys. Raises ``StoreUnavailable`` (see the module docstring)."""

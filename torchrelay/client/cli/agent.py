@@ -12,7 +12,8 @@ from torchrelay.client.cli.common import fail, handle_errors, key_values
 
 
 @handle_errors
-def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS", help="server URL"),
+def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
+                                     help="server URL; several servers of one cluster: comma-separated"),
           name: str = typer.Option(None, help="node name (default: host name)"),
           host: str = typer.Option(None, help="address other nodes reach this node's workers at (default: "
                                    "this host's address on the route to the server); it must be on one "
@@ -60,18 +61,23 @@ def _advertised(host: str | None, address: str) -> str:
     """``host`` when it is on an interface here (else exit naming it and the interfaces); without
     it, this host's address on the route to the server, said aloud."""
     from torchrelay.agent.netif import check_advertised, route_address
+    from torchrelay.servers import parse_addresses
 
+    try:
+        first = parse_addresses(address)[0]
+    except ValueError as exc:
+        fail(str(exc))
     chosen = host is None
     if host is None:
         try:
-            host = route_address(address)
+            host = route_address(first)
         except OSError as exc:
-            fail(f"cannot find this host's address on the route to {address} ({exc.strerror or exc}); give --host")
+            fail(f"cannot find this host's address on the route to {first} ({exc.strerror or exc}); give --host")
     try:
         interface = check_advertised(host)
     except ValueError as exc:
         fail(str(exc))
     if chosen:
-        typer.echo(f"advertising {host} (interface {interface}, on the route to {address}); --host overrides",
+        typer.echo(f"advertising {host} (interface {interface}, on the route to {first}); --host overrides",
                    err=True)
     return host

@@ -37,6 +37,8 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
            events: list[str] = typer.Option(None, "--events", help="send job events to a broker too: "
                                             "amqp://USER:PASS@HOST:PORT/VHOST?exchange=NAME or "
                                             "kafka://HOST:PORT/TOPIC; repeatable (docs/queues.md)"),
+           advertise: str = typer.Option(None, help="the URL other hosts reach this server at, which a "
+                                         "follower names when another server leads (default: --host:--port)"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
     from torchrelay.server.main import serve, slurm_executor
@@ -47,4 +49,5 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                         python=slurm_python, poll_interval_s=slurm_poll, jobcomp=slurm_jobcomp,
                                         accounting=slurm_accounting))
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
-          log_level=log_level, quotas_file=quotas, executors=executors, config_file=config, events=events or ())
+          log_level=log_level, quotas_file=quotas, executors=executors, config_file=config, events=events or (),
+          advertise=advertise)

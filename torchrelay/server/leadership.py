@@ -1,0 +1,179 @@
+"""Which of several servers on one PostgreSQL leads: a session advisory lock, held on a
+connection of its own.
+
+Contract:
+- ``Leadership(service, url)``: ``url`` is where clients and agents reach this server.
+  ``start()`` does not block. On SQLite (one server per store) the server leads at once. On
+  PostgreSQL a thread tries ``pg_try_advisory_lock`` every ``poll_s`` on a connection it keeps;
+  the server that gets it writes itself in the ``leader`` row and starts the service's control
+  loop (``service.start()``: every READY node gets a fresh heartbeat timeout, so agents that
+  were looking for a leader are not called lost). The lock lives as long as that connection:
+  a leader killed with -9 loses it as soon as PostgreSQL sees the socket close, and a follower
+  takes over at its next poll.
+- A leader whose lock connection breaks (PostgreSQL restarted, a network blip) tries to take
+  the lock again for ``regain_s``, leading on meanwhile (its other writes fail while the
+  database is away). If another server took it, this one ends its process (``on_deposed``,
+  by default ``os._exit(3)``): a service manager starts it again as a follower, and nothing of
+  the deposed leader writes on.
+- ``is_leader``; ``leader_url``: the leader as the ``leader`` row names it (followers re-read
+  it every poll). ``guard(app)`` makes a follower answer every API call but ``/health`` with
+  503 ``NotLeader`` naming the leader, and every reply carries ``x-relay-role`` (leader or
+  follower) and ``x-relay-leader``.
+- ``stop()``: ends the thread, stops the service, releases the lock (closes its connection).
+  Idempotent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import select, text
+
+from torchrelay.server.store import LeaderRow
+from torchrelay.wire import API_PREFIX
+
+__all__ = ["Leadership"]
+
+_log = logging.getLogger("torchrelay.server.leadership")
+LOCK_KEY = 0x72656C61795F6C64  # "relay_ld": the lock every server of one cluster contends for
+_OPEN_PATHS = (f"{API_PREFIX}/health", f"{API_PREFIX}/openapi.json", f"{API_PREFIX}/docs")
+
+
+def _exit_deposed() -> None:
+    os._exit(3)
+
+
+class Leadership:
+    """See the module docstring."""
+
+    def __init__(self, service: Any, url: str, *, poll_s: float = 0.5, regain_s: float = 30.0,
+                 on_deposed: Callable[[], None] = _exit_deposed) -> None:
+        self.service, self.url = service, url
+        self.engine = service.engine
+        self.poll_s, self.regain_s, self.on_deposed = poll_s, regain_s, on_deposed
+        self.shared = self.engine.dialect.name == "postgresql"  # several servers can share the store
+        self.is_leader = False
+        self.leader_url: str | None = None
+        self._lock_conn: Any = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ life
+
+    def start(self) -> None:
+        if not self.shared:
+            self._lead()
+            return
+        self._thread = threading.Thread(target=self._run, name="relay-leadership", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s + 10)
+        self.service.stop()  # a follower's too: its engine and writer thread
+        self._close_lock()
+
+    # ------------------------------------------------------------ the election
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                if self.is_leader:
+                    self._keep()
+                elif self._try_lock():
+                    self._lead()
+                else:
+                    self.leader_url = self._read_leader()
+            except Exception:  # noqa: BLE001 - the database may be away: try again at the next poll
+                _log.warning("leadership poll failed", exc_info=True)
+            self._stopped.wait(self.poll_s)
+
+    def _try_lock(self) -> bool:
+        self._close_lock()
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar())
+        except Exception:
+            conn.close()
+            raise
+        if got:
+            self._lock_conn = conn
+        else:
+            conn.close()
+        return got
+
+    def _lead(self) -> None:
+        with self.service.db.write() as rows:
+            row = rows.s.get(LeaderRow, 1)
+            if row is None:
+                rows.s.add(LeaderRow(id=1, url=self.url, since=time.time()))
+            else:
+                row.url, row.since = self.url, time.time()
+        self.is_leader, self.leader_url = True, self.url
+        _log.warning("leading the cluster at %s", self.url)
+        self.service.start()
+
+    def _keep(self) -> None:
+        """Check the lock's connection; when it broke, take the lock again, or step down."""
+        try:
+            self._lock_conn.execute(text("SELECT 1"))
+            return
+        except Exception:  # noqa: BLE001 - the connection (and with it the lock) is gone
+            _log.warning("lost the leadership lock's connection; taking the lock again")
+        deadline = time.monotonic() + self.regain_s
+        while not self._stopped.is_set() and time.monotonic() < deadline:
+            try:
+                if self._try_lock():
+                    return
+                holder = self._read_leader()
+                _log.error("another server (%s) leads now: this one stops", holder)
+                self.is_leader = False
+                self.on_deposed()
+                return
+            except Exception:  # noqa: BLE001 - the database is still away
+                self._stopped.wait(self.poll_s)
+        if not self._stopped.is_set():
+            _log.error("could not take the leadership lock again within %g s: this server stops", self.regain_s)
+            self.is_leader = False
+            self.on_deposed()
+
+    def _read_leader(self) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(LeaderRow.url).where(LeaderRow.id == 1)).scalar()
+
+    def _close_lock(self) -> None:
+        if self._lock_conn is not None:
+            try:
+                self._lock_conn.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+            self._lock_conn = None
+
+    # ------------------------------------------------------------ what a follower answers
+
+    def guard(self, app: FastAPI) -> None:
+        """Install the follower's answer on ``app`` (see the module docstring)."""
+
+        @app.middleware("http")
+        async def _follow(request: Request, call_next):  # noqa: ANN001, ANN202
+            path = request.url.path
+            if not self.is_leader and path.startswith(API_PREFIX) and not path.startswith(_OPEN_PATHS):
+                leader = self.leader_url if self.leader_url != self.url else None
+                detail = (f"this server ({self.url}) follows; the leader is {leader}" if leader
+                          else f"this server ({self.url}) follows and no leader is known yet; try again shortly")
+                response = JSONResponse({"error": "NotLeader", "detail": detail, "leader": leader}, status_code=503)
+            else:
+                response = await call_next(request)
+            response.headers["x-relay-role"] = "leader" if self.is_leader else "follower"
+            if self.leader_url:
+                response.headers["x-relay-leader"] = self.leader_url
+            return response
