@@ -14,7 +14,7 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
            db: str = typer.Option(None, "--db", envvar="RELAY_DB",
                                   help="state store, a SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/relay "
                                        "(default: SQLite in RELAY_HOME); migrated at start"),
-           store: str = typer.Option(None, "--store", help="artifact store URL, e.g. s3://bucket/prefix "
+           store: str = typer.Option(None, "--store", envvar="RELAY_STORE", help="artifact store URL, e.g. s3://bucket/prefix "
                                      "(default: the config file's, else RELAY_HOME/store)"),
            config: Path = typer.Option(None, "--config", help="YAML server config: the store's URL and options "
                                        "(endpoint, region, credentials), see docs/storage.md"),
@@ -37,7 +37,7 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
            events: list[str] = typer.Option(None, "--events", help="send job events to a broker too: "
                                             "amqp://USER:PASS@HOST:PORT/VHOST?exchange=NAME or "
                                             "kafka://HOST:PORT/TOPIC; repeatable (docs/queues.md)"),
-           advertise: str = typer.Option(None, help="the URL other hosts reach this server at, which a "
+           advertise: str = typer.Option(None, envvar="RELAY_ADVERTISE", help="the URL other hosts reach this server at, which a "
                                          "follower names when another server leads (default: --host:--port)"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
