@@ -14,6 +14,7 @@ import chaos
 from conftest import kill_group
 from test_store_durability import CLI, JOBS, Server
 from torchrelay.client.sdk import RelayClient
+from torchrelay.errors import Conflict
 from torchrelay.spec import JobSpec, JobState
 
 pytestmark = pytest.mark.timeout(300)
@@ -88,3 +89,21 @@ def test_the_leader_killed_mid_job_the_other_takes_over_and_nothing_is_lost(pair
     finally:
         kill_group(agent.pid)
         agent.wait(timeout=15)
+
+
+def test_two_servers_on_two_databases_named_as_one_cluster_are_refused(pair, postgres):
+    a, b = pair
+    other = f"other_{os.getpid()}_{time.monotonic_ns()}"
+    postgres.create_database(other)
+    try:
+        b.db_url = postgres.url_of(other)  # its own database: a second cluster, leading too
+        first, second = a.start(), b.start()
+        chaos.wait_until(lambda: role(first) == role(second) == "leader", 30, "both servers to lead")
+        with RelayClient(f"{first},{second}") as c:
+            assert c.nodes() == []
+            a.kill()
+            with pytest.raises(Conflict, match=rf"{second} serves cluster \w+ but {first} serves cluster \w+"):
+                c.nodes()
+    finally:
+        b.stop()
+        postgres.drop_database(other)

@@ -1,7 +1,7 @@
 """A cluster's server list (torchrelay/servers.py): parsing RELAY_ADDRESS and following the leader."""
 import pytest
 
-from torchrelay.servers import ServerList, parse_addresses
+from torchrelay.servers import ClusterMismatch, ServerList, parse_addresses
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -27,3 +27,12 @@ def test_no_answer_moves_round_the_list_and_a_follower_sends_to_the_leader():
     assert servers.moved("http://c") == "http://a"
     assert servers.moved("http://a", leader="http://c/") == "http://c"
     assert ServerList(("http://a",)).moved("http://a") == "http://a"  # nowhere else to go
+
+
+def test_servers_of_two_clusters_are_refused_naming_both():
+    servers = ServerList(("http://a", "http://b"))
+    servers.seen("http://a", None)  # a server that does not say: nothing to compare
+    servers.seen("http://a", "c1")
+    servers.seen("http://b", "c1")
+    with pytest.raises(ClusterMismatch, match=r"http://b serves cluster c2 but http://a serves cluster c1"):
+        servers.seen("http://b", "c2")

@@ -14,7 +14,9 @@ Contract:
   (``torchrelay.servers``): a call that gets no answer moves the link to the next server, and
   one that reaches a follower (503 naming the leader) moves it to the leader; that call still
   raises ``ServerUnreachable``, and the agent's own retry goes to the new server. Launches are
-  never touched by any of this: they run on while the agent looks for a leader.
+  never touched by any of this: they run on while the agent looks for a leader. A server of
+  another cluster than the first one that answered (another database) is refused:
+  ``ServerRefused`` (409) naming both.
 - ``close()`` ends the connections, a long poll in flight included (it raises
   ``ServerUnreachable`` in its caller's thread). Idempotent.
 """
@@ -28,7 +30,7 @@ from pydantic import BaseModel
 
 from torchrelay import wire
 from torchrelay.agent.outbox import EntryKind
-from torchrelay.servers import ServerList, parse_addresses
+from torchrelay.servers import ClusterMismatch, ServerList, parse_addresses
 
 
 class ServerUnreachable(ConnectionError):
@@ -89,6 +91,10 @@ class HttpServerLink:
             self._move(tried, None, f"{method} {path} at {tried}: {exc}")
         except RuntimeError as exc:  # a client closed under the call ("Cannot send a request...")
             raise ServerUnreachable(f"{method} {path}: {exc}") from exc
+        try:
+            self.servers.seen(tried, reply.headers.get("x-relay-cluster"))
+        except ClusterMismatch as exc:
+            raise ServerRefused(409, str(exc)) from None
         leader = reply.headers.get("x-relay-leader") if reply.status_code == 503 else None
         if leader and leader.rstrip("/") != tried:
             self._move(tried, leader, f"{tried} follows; the leader is {leader}")

@@ -24,9 +24,9 @@ from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
 from torchrelay.client.replies import raise_for_error
 from torchrelay.client.streams import follow_stream
-from torchrelay.errors import RelayError, ServerUnavailable
+from torchrelay.errors import Conflict, RelayError, ServerUnavailable
 from torchrelay.home import read_json, relay_home, server_file
-from torchrelay.servers import ServerList, parse_addresses
+from torchrelay.servers import ClusterMismatch, ServerList, parse_addresses
 from torchrelay.spec import JobSpec
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, EventRecord, JobInfo, LogLine, LogPage, MetricPage,
                              MetricPoint, NodeInfo, SeriesPage, SubmitRequest)
@@ -95,6 +95,10 @@ class RelayClient:
                 raise ServerUnavailable(unreachable_message(
                     tried, self._source, type(exc).__name__, home=str(relay_home()),
                     recorded=recorded_address())) from None
+            try:
+                self._servers.seen(tried, resp.headers.get("x-relay-cluster"))
+            except ClusterMismatch as exc:
+                raise Conflict(str(exc)) from None
             leader = resp.headers.get("x-relay-leader") if resp.status_code == 503 else None
             if leader and leader.rstrip("/") != tried and tries_left and self._move(tried, leader):
                 continue  # a follower: go to the leader it names

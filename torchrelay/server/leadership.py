@@ -5,7 +5,7 @@ Contract:
 - ``Leadership(service, url)``: ``url`` is where clients and agents reach this server.
   ``start()`` does not block. On SQLite (one server per store) the server leads at once. On
   PostgreSQL a thread tries ``pg_try_advisory_lock`` every ``poll_s`` on a connection it keeps;
-  the server that gets it writes itself in the ``leader`` row and starts the service's control
+  the server that gets it writes itself in the ``cluster`` row and starts the service's control
   loop (``service.start()``: every READY node gets a fresh heartbeat timeout, so agents that
   were looking for a leader are not called lost). The lock lives as long as that connection:
   a leader killed with -9 loses it as soon as PostgreSQL sees the socket close, and a follower
@@ -15,10 +15,11 @@ Contract:
   database is away). If another server took it, this one ends its process (``on_deposed``,
   by default ``os._exit(3)``): a service manager starts it again as a follower, and nothing of
   the deposed leader writes on.
-- ``is_leader``; ``leader_url``: the leader as the ``leader`` row names it (followers re-read
-  it every poll). ``guard(app)`` makes a follower answer every API call but ``/health`` with
-  503 ``NotLeader`` naming the leader, and every reply carries ``x-relay-role`` (leader or
-  follower) and ``x-relay-leader``.
+- ``is_leader``; ``leader_url``: the leader as the ``cluster`` row names it (followers re-read
+  it every poll); ``cluster_id``: the store's identity. ``guard(app)`` makes a follower answer
+  every API call but ``/health`` with 503 ``NotLeader`` naming the leader, and every reply
+  carries ``x-relay-role`` (leader or follower), ``x-relay-leader`` and ``x-relay-cluster``
+  (clients and agents refuse servers of two clusters: ``torchrelay.servers``).
 - ``stop()``: ends the thread, stops the service, releases the lock (closes its connection).
   Idempotent.
 """
@@ -35,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import select, text
 
-from torchrelay.server.store import LeaderRow
+from torchrelay.server.store import ClusterRow
 from torchrelay.wire import API_PREFIX
 
 __all__ = ["Leadership"]
@@ -60,6 +61,8 @@ class Leadership:
         self.shared = self.engine.dialect.name == "postgresql"  # several servers can share the store
         self.is_leader = False
         self.leader_url: str | None = None
+        with self.engine.connect() as conn:
+            self.cluster_id: str = conn.execute(select(ClusterRow.cluster_id).where(ClusterRow.id == 1)).scalar()
         self._lock_conn: Any = None
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,11 +116,8 @@ class Leadership:
 
     def _lead(self) -> None:
         with self.service.db.write() as rows:
-            row = rows.s.get(LeaderRow, 1)
-            if row is None:
-                rows.s.add(LeaderRow(id=1, url=self.url, since=time.time()))
-            else:
-                row.url, row.since = self.url, time.time()
+            row = rows.s.get(ClusterRow, 1)
+            row.leader_url, row.leader_since = self.url, time.time()
         self.is_leader, self.leader_url = True, self.url
         _log.warning("leading the cluster at %s", self.url)
         self.service.start()
@@ -148,7 +148,7 @@ class Leadership:
 
     def _read_leader(self) -> str | None:
         with self.engine.connect() as conn:
-            return conn.execute(select(LeaderRow.url).where(LeaderRow.id == 1)).scalar()
+            return conn.execute(select(ClusterRow.leader_url).where(ClusterRow.id == 1)).scalar()
 
     def _close_lock(self) -> None:
         if self._lock_conn is not None:
@@ -174,6 +174,7 @@ class Leadership:
             else:
                 response = await call_next(request)
             response.headers["x-relay-role"] = "leader" if self.is_leader else "follower"
+            response.headers["x-relay-cluster"] = self.cluster_id
             if self.leader_url:
                 response.headers["x-relay-leader"] = self.leader_url
             return response

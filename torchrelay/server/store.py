@@ -184,15 +184,16 @@ class CursorRow(Base):
     last_seq: Mapped[int] = mapped_column(Integer)
 
 
-class LeaderRow(Base):
-    """Which server leads (one row, id 1): written by a server when it is elected
-    (``leadership.py``); followers point clients and agents there."""
+class ClusterRow(Base):
+    """The cluster's identity and leader (one row, id 1, made with the store): ``cluster_id``
+    is random; the server that is elected writes itself as ``leader_url`` (``leadership.py``)."""
 
-    __tablename__ = "leader"
+    __tablename__ = "cluster"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    url: Mapped[str] = mapped_column(String(256))
-    since: Mapped[float] = mapped_column(Float)
+    cluster_id: Mapped[str] = mapped_column(String(64))
+    leader_url: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    leader_since: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 def make_engine(url: str) -> Engine:
