@@ -306,7 +306,7 @@ class TutorialParameterServer:
 def child_tcp_echo() -> None:
     """Raw loopback TCP baseline: receive N bytes into a preallocated buffer, send them back."""
     cfg = json.loads(os.environ["BENCH_CFG"])
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server((cfg.get("host", "127.0.0.1"), 0))  # bench/multihost.py: a test host's address
     Path(cfg["out"], "tcp_port").write_text(str(listener.getsockname()[1]))
     conn, _ = listener.accept()
     buf = bytearray(MB100)
@@ -317,6 +317,16 @@ def child_tcp_echo() -> None:
             got += conn.recv_into(view[got:], MB100 - got)
         conn.sendall(view)
     conn.close()
+
+
+def echo_round_trip(sock: socket.socket, view: memoryview) -> float:
+    """Seconds to send ``view`` to ``child_tcp_echo`` and receive it back into the same buffer."""
+    t0 = time.perf_counter()
+    sock.sendall(view)
+    got = 0
+    while got < len(view):
+        got += sock.recv_into(view[got:], len(view) - got)
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- orchestration
@@ -449,12 +459,7 @@ def run_transfer(repeats: int) -> dict[str, list[float]]:
             times: dict[str, list[float]] = {"raw": [], "shm": [], "tcp": []}
             with socket.create_connection(("127.0.0.1", int(port_file.read_text()))) as sock:
                 for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    sock.sendall(view)
-                    got = 0
-                    while got < MB100:
-                        got += sock.recv_into(view[got:], MB100 - got)
-                    times["raw"].append(time.perf_counter() - t0)
+                    times["raw"].append(echo_round_trip(sock, view))
                     for path, opt in opts.items():
                         t0 = time.perf_counter()
                         opt.step()

@@ -206,3 +206,42 @@ def test_the_server_killed_and_started_again_on_its_host_loses_nothing_of_a_two_
         assert lines == [f"line {i}" for i in range(120)]
     steps = sorted(p.step for p in client.iter_metrics(job.id))
     assert steps == sorted(list(range(120)) * 2)
+
+
+@pytest.mark.slow
+def test_a_parameter_server_job_with_its_servers_on_a_third_host(cluster, client):
+    digits = REPO / "examples" / "digits"
+    # each agent offers 2 cpus: a worker (1 cpu) per host on two hosts leaves 1 on each, so the
+    # server (2 cpus) can only go to the third
+    spec = {"name": "digits-ps", "workdir": ".", "entrypoint": "python train.py --epochs 3 --batch-size 32",
+            "nodes": 2, "workers_per_node": 1, "resources": {"cpu": 1, "memory": "1GiB"},
+            "strategy": {"kind": "parameter_server", "servers": 1, "mode": "sync",
+                         "optimizer": {"name": "adam", "lr": 0.003}, "server_resources": {"cpu": 2, "memory": "1GiB"}}}
+    job = client.submit(spec, base_dir=digits)
+    final = client.wait(job.id, timeout=240)
+    logs = "\n".join(line.text for line in client.iter_logs(job.id))
+    assert final.state == JobState.SUCCEEDED, (describe(client, job.id), logs[-3000:])
+    assert len({p.node_name for p in final.placement}) == 3, final.placement
+    assert float(re.search(r"test_accuracy=([0-9.]+)", logs).group(1)) >= 0.9, logs[-2000:]
+
+
+@pytest.mark.slow
+def test_a_two_stage_pipeline_with_one_stage_per_host(cluster, client, tmp_path):
+    import inspect
+    import json
+
+    charlm = REPO / "examples" / "charlm"
+    work = tmp_path / "charlm"
+    work.mkdir()
+    for name in ("data.py", "model.py", "train_pipeline.py"):
+        (work / name).write_text((charlm / name).read_text())
+    (work / "corpus.txt").write_text(inspect.getsource(json) * 3)  # a text that ships with Python
+    spec = JobSpec.parse({"name": "pipe", "nodes": 2, "workers_per_node": 1,
+                          "entrypoint": "python train_pipeline.py --data corpus.txt --steps 20 --layers 2",
+                          "strategy": {"kind": "pipeline", "microbatches": 4}})
+    job = client.submit(spec, base_dir=work)
+    final = client.wait(job.id, timeout=240)
+    logs = "\n".join(line.text for line in client.iter_logs(job.id))
+    assert final.state == JobState.SUCCEEDED, (describe(client, job.id), logs[-3000:])
+    assert len({p.node_name for p in final.placement}) == 2, final.placement
+    assert "final loss=" in logs

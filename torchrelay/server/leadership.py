@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy import select, text
 
@@ -162,19 +162,42 @@ class Leadership:
 
     def guard(self, app: FastAPI) -> None:
         """Install the follower's answer on ``app`` (see the module docstring)."""
+        app.add_middleware(_FollowerGuard, leadership=self)
 
-        @app.middleware("http")
-        async def _follow(request: Request, call_next):  # noqa: ANN001, ANN202
-            path = request.url.path
-            if not self.is_leader and path.startswith(API_PREFIX) and not path.startswith(_OPEN_PATHS):
-                leader = self.leader_url if self.leader_url != self.url else None
-                detail = (f"this server ({self.url}) follows; the leader is {leader}" if leader
-                          else f"this server ({self.url}) follows and no leader is known yet; try again shortly")
-                response = JSONResponse({"error": "NotLeader", "detail": detail, "leader": leader}, status_code=503)
-            else:
-                response = await call_next(request)
-            response.headers["x-relay-role"] = "leader" if self.is_leader else "follower"
-            response.headers["x-relay-cluster"] = self.cluster_id
-            if self.leader_url:
-                response.headers["x-relay-leader"] = self.leader_url
-            return response
+    def reply_headers(self) -> list[tuple[bytes, bytes]]:
+        out = [(b"x-relay-role", b"leader" if self.is_leader else b"follower"),
+               (b"x-relay-cluster", self.cluster_id.encode())]
+        if self.leader_url:
+            out.append((b"x-relay-leader", self.leader_url.encode()))
+        return out
+
+
+class _FollowerGuard:
+    """Pure ASGI middleware (no per-request task or body buffering, unlike ``BaseHTTPMiddleware``:
+    long polls pass through untouched): a follower's 503, and the role headers on every reply."""
+
+    def __init__(self, app: Any, leadership: Leadership) -> None:
+        self.app, self.leadership = app, leadership
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        lead = self.leadership
+        headers = lead.reply_headers()
+        path = scope["path"]
+        if not lead.is_leader and path.startswith(API_PREFIX) and not path.startswith(_OPEN_PATHS):
+            leader = lead.leader_url if lead.leader_url != lead.url else None
+            detail = (f"this server ({lead.url}) follows; the leader is {leader}" if leader
+                      else f"this server ({lead.url}) follows and no leader is known yet; try again shortly")
+            response = JSONResponse({"error": "NotLeader", "detail": detail, "leader": leader}, status_code=503)
+            response.raw_headers.extend(headers)
+            await response(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *headers]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
