@@ -2,8 +2,9 @@
 # Installs the Debian packages behind the tests' own services when missing (root only; else a
 # note and exit 0: those tests then skip with the reason).
 set -u
+# iproute2: the test hosts (tests/hosts.py)
 packages=(ceph-mon ceph-osd radosgw ceph-mds ceph-fuse postgresql slurmctld slurmd slurm-client munge chromium
-          rabbitmq-server openmpi-bin libopenmpi-dev)
+          rabbitmq-server openmpi-bin libopenmpi-dev iproute2)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 ((${#missing[@]})) || exit 0

@@ -32,6 +32,9 @@ from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, EventRecord, J
                              MetricPoint, NodeInfo, SeriesPage, SubmitRequest)
 
 
+LEADER_WAIT_S = 15.0  # how long a call waits for a leader while a takeover is under way
+
+
 def recorded_address() -> str | None:
     """The address of the server that ``RELAY_HOME`` records (``server.json``), if any."""
     info = read_json(server_file(relay_home()))
@@ -85,12 +88,15 @@ class RelayClient:
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         extra = {"timeout": timeout} if timeout is not None else {}
-        for tries_left in range(len(self._servers.addresses), -1, -1):  # each server once, and a leader named
+        patience = time.monotonic() + LEADER_WAIT_S
+        tries = len(self._servers.addresses) + 1
+        while True:  # each server once (no answer), a leader named, and a takeover's wait
+            tries_left = tries = tries - 1
             tried = self.address
             try:
                 resp = self._http.request(method, path, **kw, **extra)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                if tries_left and self._move(tried, None):
+                if tries_left > 0 and self._move(tried, None):
                     continue
                 raise ServerUnavailable(unreachable_message(
                     tried, self._source, type(exc).__name__, home=str(relay_home()),
@@ -100,8 +106,12 @@ class RelayClient:
             except ClusterMismatch as exc:
                 raise Conflict(str(exc)) from None
             leader = resp.headers.get("x-relay-leader") if resp.status_code == 503 else None
-            if leader and leader.rstrip("/") != tried and tries_left and self._move(tried, leader):
+            if leader and leader.rstrip("/") != tried and tries_left > 0 and self._move(tried, leader):
                 continue  # a follower: go to the leader it names
+            follower = resp.status_code == 503 and resp.headers.get("x-relay-role") == "follower"
+            if follower and time.monotonic() < patience:
+                time.sleep(0.25)  # a takeover under way: no leader yet
+                continue
             break
         raise_for_error(resp)
         return resp

@@ -54,10 +54,11 @@ class Leadership:
     """See the module docstring."""
 
     def __init__(self, service: Any, url: str, *, poll_s: float = 0.5, regain_s: float = 30.0,
-                 on_deposed: Callable[[], None] = _exit_deposed) -> None:
+                 restart_grace_s: float = 5.0, on_deposed: Callable[[], None] = _exit_deposed) -> None:
         self.service, self.url = service, url
         self.engine = service.engine
         self.poll_s, self.regain_s, self.on_deposed = poll_s, regain_s, on_deposed
+        self.restart_grace_s = restart_grace_s
         self.shared = self.engine.dialect.name == "postgresql"  # several servers can share the store
         self.is_leader = False
         self.leader_url: str | None = None
@@ -70,9 +71,24 @@ class Leadership:
     # ------------------------------------------------------------ life
 
     def start(self) -> None:
+        """Lead at once on SQLite; on PostgreSQL try the lock before returning (the app serves
+        no request before this returns: a lone server leads from its first reply), for up to
+        ``restart_grace_s`` when the ``cluster`` row names this very URL (this server restarted:
+        its predecessor's connection and lock go as soon as PostgreSQL sees it closed), then
+        poll in a thread."""
         if not self.shared:
             self._lead()
             return
+        deadline = time.monotonic() + self.restart_grace_s
+        try:
+            while not self._try_lock():
+                if self._read_leader() != self.url or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            else:
+                self._lead()
+        except Exception:  # noqa: BLE001 - the database is away: the thread tries again
+            _log.warning("first leadership attempt failed", exc_info=True)
         self._thread = threading.Thread(target=self._run, name="relay-leadership", daemon=True)
         self._thread.start()
 
