@@ -91,6 +91,7 @@ def test_the_leader_killed_mid_job_the_other_takes_over_and_nothing_is_lost(pair
         agent.wait(timeout=15)
 
 
+@pytest.mark.slow
 def test_two_servers_on_two_databases_named_as_one_cluster_are_refused(pair, postgres):
     a, b = pair
     other = f"other_{os.getpid()}_{time.monotonic_ns()}"

@@ -100,6 +100,7 @@ def test_kill_9_during_100_concurrent_submits_loses_no_acknowledged_submit(serve
     assert {job_id: stored.get(job_id) for job_id in acknowledged} == acknowledged
 
 
+@pytest.mark.slow
 def test_postgresql_restarted_under_a_running_server_loses_nothing(relay_home, postgres, server):
     if not server.db_url.startswith("postgresql"):
         pytest.skip("restarts PostgreSQL: the SQLite store has no server to restart")
