@@ -171,14 +171,7 @@ def ceph():
     can run. A test that stops the gateway starts it again before it ends."""
     from services.ceph import CephCluster
 
-    reason = CephCluster.unavailable()
-    if reason:
-        pytest.skip(reason)
-    cluster = CephCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _session_service(CephCluster)
 
 
 @pytest.fixture(scope="session")
@@ -200,20 +193,26 @@ def rabbitmq(tmp_path_factory):
 # ---------------------------------------------------------------- state stores: SQLite and PostgreSQL
 
 
+def _session_service(cls):
+    """A test service (``tests/services``) for a session fixture: skipped with the reason where
+    ``cls.unavailable()`` gives one, else started, yielded and stopped."""
+    reason = cls.unavailable()
+    if reason:
+        pytest.skip(reason)
+    made = cls()
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """One private PostgreSQL for the whole session (tests/services/postgres.py); skips with the
     reason where none can run."""
     from services.postgres import PostgresServer
 
-    reason = PostgresServer.unavailable()
-    if reason:
-        pytest.skip(reason)
-    server = PostgresServer()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _session_service(PostgresServer)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
