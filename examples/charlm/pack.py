@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("dest", help="store URL of the dataset")
     parser.add_argument("--text", default=None, help="UTF-8 text file to pack (default: Python's own sources)")
     parser.add_argument("--context", type=int, default=64, help="characters per window (train.py --context)")
-    parser.add_argument("--shard-size", default="1MiB", help="bytes of windows per shard (Python's sources: 4.7 MiB)")
+    parser.add_argument("--shard-size", default="1MiB", help="bytes of windows per shard (Python's sources: 4.1 MiB)")
     args = parser.parse_args(argv)
     corpus = CharCorpus.from_file(args.text) if args.text else CharCorpus.from_text(stdlib_text())
     meta = pack_corpus(corpus, args.dest, context=args.context, shard_size=args.shard_size)
