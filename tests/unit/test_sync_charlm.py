@@ -21,7 +21,8 @@ def _load(name: str):
     return module
 
 
-CharCorpus = _load("data").CharCorpus
+_data = _load("data")
+CharCorpus, text_windows, window_batch = _data.CharCorpus, _data.text_windows, _data.window_batch
 _model = _load("model")
 Block, CharLM, CharLMConfig, Embedding, Head = _model.Block, _model.CharLM, _model.CharLMConfig, _model.Embedding, _model.Head
 build_blocks, lm_loss = _model.build_blocks, _model.lm_loss
@@ -84,6 +85,27 @@ def test_batches_are_reproducible_per_step_and_rank():
     assert len(val) == 3 and val[0][0].shape == (4, 8)
 
 
+@pytest.mark.parametrize("length, context, starts", [
+    (9, 4, [0, 4]),         # 0..4 and 4..8: consecutive windows share one character
+    (10, 4, [0, 4]),        # a tail shorter than a window is left out
+    (5, 4, [0]),            # exactly one window
+    (7, 1, [0, 1, 2, 3, 4, 5]),
+])
+def test_text_windows_make_every_character_a_target_once(length, context, starts):
+    ids = torch.arange(length)
+    windows, offsets = text_windows(ids, context)
+    assert offsets.tolist() == starts
+    assert [w.tolist() for w in windows] == [list(range(s, s + context + 1)) for s in starts]
+    inputs, targets = window_batch({"window": windows.to(torch.int32), "start": offsets})
+    assert inputs.dtype == torch.long and targets.flatten().tolist() == list(range(1, starts[-1] + context + 1))
+
+
+@pytest.mark.parametrize("length, context", [(4, 4), (0, 1), (10, 0)])
+def test_a_text_without_a_whole_window_is_refused_by_name(length, context):
+    with pytest.raises(ValueError, match=f"{length} characters holds no window of context={context}"):
+        text_windows(torch.arange(length), context)
+
+
 def test_missing_data_file_is_named():
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         CharCorpus.from_file("nope.txt")
@@ -105,3 +127,34 @@ def test_a_few_steps_lower_the_loss():
     with torch.no_grad():
         after = sum(float(lm_loss(model(x), y)) for x, y in val)
     assert after < 0.8 * before
+
+
+def test_a_packed_corpus_reads_back_its_vocabulary_and_validation_windows(tmp_path):
+    import torchrelay.train as rt
+
+    corpus = CharCorpus.from_text(TEXT)
+    meta = _data.pack_corpus(corpus, str(tmp_path / "store"), context=8, shard_size=256)
+    assert meta["chars"] == corpus.chars and meta["windows"] == {"train": (len(corpus.train) - 1) // 8,
+                                                                 "val": (len(corpus.val) - 1) // 8}
+    loader = rt.stream(str(tmp_path / "store"), batch_size=4, rank=0, world_size=1)
+    try:
+        assert _data.read_vocabulary(loader) == meta
+    finally:
+        loader.close()
+    val = _data.stored_val_batches(str(tmp_path / "store"), batch_size=4, batches=2)
+    windows, _starts = text_windows(corpus.val, 8)
+    assert [x.tolist() for x, _y in val] == [windows[:4, :-1].tolist(), windows[4:8, :-1].tolist()]
+
+
+def test_a_store_without_the_vocabulary_is_refused_by_name(tmp_path):
+    import torchrelay.train as rt
+    from torchrelay.errors import InvalidSpec
+    from torchrelay.shards import pack
+
+    pack({"window": torch.zeros(4, 9, dtype=torch.int32)}, str(tmp_path / "other"))  # a dataset, not pack.py's
+    loader = rt.stream(str(tmp_path / "other"), batch_size=4, rank=0, world_size=1)
+    try:
+        with pytest.raises(InvalidSpec, match="corpus.json is missing: --data must be a text file or a store"):
+            _data.read_vocabulary(loader)
+    finally:
+        loader.close()
