@@ -1,6 +1,8 @@
 """Events out, the pure parts: --events URLs, routing keys and bodies, the cursor rule (tables)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from torchrelay.errors import InvalidSpec
@@ -83,3 +85,61 @@ def test_metric_summaries_take_each_ranks_latest_point_per_job():
     assert [(e.job_id, e.seq, e.step) for e in got] == [("job-2", 12, 1), ("job-1", 13, 6)]
     assert got[1].values == {"loss": 1.5, "lr": 0.1} and got[1].time == 1.3  # rank 0's step 6 and rank 1's step 5
     assert metric_summaries([]) == []
+
+
+class _RecordingSink:
+    """Stands in for a broker: this test is about when the relay publishes, not how."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, int]] = []
+
+    def publish(self, events):
+        self.seen.extend((e.kind, e.seq) for e in events)
+        return len(events)
+
+    def close(self):
+        pass
+
+
+def test_only_an_active_relay_publishes_and_it_resumes_from_the_stored_cursor(tmp_path):
+    """Among servers sharing a store only the leader's relay publishes; one that becomes the
+    leader starts after the cursor the previous leader stored, so nothing is sent twice."""
+    import threading
+
+    from torchrelay.server.events.relay import EventRelay
+    from torchrelay.server.events.urls import parse_sink_url
+    from torchrelay.server.store import NodeEventRow, make_engine, make_sessionmaker
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'state.db'}")
+    with make_sessionmaker(engine)() as s:
+        s.add_all([NodeEventRow(node_id="n1", node_name="a", time=1.0, state="READY"),
+                   NodeEventRow(node_id="n1", node_name="a", time=2.0, state="LOST")])
+        s.commit()
+    url = parse_sink_url("amqp://127.0.0.1:1/")
+    leading = threading.Event()
+    first, second = _RecordingSink(), _RecordingSink()
+    follower = EventRelay(url, engine, sink=first, idle_s=0.01, active=leading.is_set)
+    follower.start()
+    try:
+        time.sleep(0.3)
+        assert first.seen == []  # a follower publishes nothing
+        leading.set()
+        deadline = time.monotonic() + 10
+        while len(first.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.seen == [("node", 1), ("node", 2)]
+    finally:
+        follower.stop()
+    with make_sessionmaker(engine)() as s:
+        s.add(NodeEventRow(node_id="n1", node_name="a", time=3.0, state="READY"))
+        s.commit()
+    successor = EventRelay(url, engine, sink=second, idle_s=0.01)
+    successor.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not second.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert second.seen == [("node", 3)]
+    finally:
+        successor.stop()

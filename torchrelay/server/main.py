@@ -104,7 +104,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     leadership = Leadership(service, (advertise or address).rstrip("/"))
     app = create_app(service, lifecycle=leadership)
     leadership.guard(app)
-    relays = [EventRelay(url, service.engine) for url in sink_urls]
+    relays = [EventRelay(url, service.engine, active=lambda: leadership.is_leader) for url in sink_urls]
     for relay in relays:
         relay.start()
     write_json(server_file(home), {"address": address, "pid": os.getpid()})

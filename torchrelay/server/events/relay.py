@@ -14,6 +14,10 @@ Contract:
   of 0.2 s doubling to 5 s; it never raises. It only reads the store and writes its own cursor
   row, outside the server's writer lock, so a broker that hangs delays nothing of the control
   plane (heartbeats, submits).
+- ``active`` (default: always): whether this server should publish now. Among several servers
+  on one state store only the leader does (``main.serve`` passes its leadership), so two relays
+  never send one feed at once; a relay that becomes active re-reads its cursors from the store,
+  where the previous leader left them.
 """
 from __future__ import annotations
 
@@ -83,8 +87,9 @@ def save_cursor(engine: Any, name: str, seq: int) -> None:
 
 class EventRelay:
     def __init__(self, url: SinkUrl, engine: Any, sink: Sink | None = None, idle_s: float = 0.05,
-                 summary_s: float = 5.0):
+                 summary_s: float = 5.0, active: Callable[[], bool] = lambda: True):
         self.url = url
+        self.active = active
         self.summary_s = summary_s
         self.engine = engine
         self.sink = sink or make_sink(url)
@@ -106,6 +111,10 @@ class EventRelay:
         due: dict[str, float] = {}  # feed -> monotonic time of its next read
         backoff, warned_at = 0.2, None
         while not self._stop.is_set():
+            if not self.active():
+                cursors.clear()  # whoever leads meanwhile moves them: read them again when we lead
+                self._stop.wait(max(self.idle_s, 0.5))
+                continue
             try:
                 busy = False
                 for feed, read in FEED_READERS.items():
