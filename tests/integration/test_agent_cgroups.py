@@ -18,7 +18,8 @@ import pytest
 from torchrelay import wire
 from torchrelay.agent import cgroups
 from torchrelay.agent.backends import BackendKind
-from torchrelay.agent.launcher import Launch, pick_free_port
+from torchrelay.agent import cgroup_plan
+from torchrelay.agent.launcher import Launch, has_launcher_process, pick_free_port
 from torchrelay.agent.zygote import Zygote
 
 USABLE, WHY_NOT = cgroups.cgroups_usable()
@@ -67,7 +68,8 @@ def make_launch(tmp_path: Path, name: str, script: str, args: list[str], group: 
         node_rank=0, nnodes=1, nproc_per_node=nproc, world_size=nproc, rank_offset=0,
         entrypoint=entrypoint or ["python", "job.py", *args], bundle=None, env=env or {}, store_url=str(tmp_path / "store"),
         job_store_prefix="jobs/job-1", cpu=cpu, memory=memory)
-    cgroup = group.launch(assignment.launch_id, cpu_per_worker=cpu, memory_per_worker=memory, workers=nproc)
+    cgroup = group.launch(assignment.launch_id, cpu_per_worker=cpu, memory_per_worker=memory, workers=nproc,
+                          launcher_process=has_launcher_process(assignment, zygote))
     return Launch(assignment, code_dir=code, run_dir=tmp_path / name / "run",
                   relay_address="http://127.0.0.1:9", zygote=zygote, cgroup=cgroup)
 
@@ -138,14 +140,15 @@ def test_a_launch_over_its_memory_is_stopped_with_the_reason(tmp_path, agent_gro
 
 
 def test_under_its_memory_a_launch_succeeds_and_torchrun_ranks_are_limited_too(tmp_path, agent_groups, launches):
-    """Two ranks under torchrun, 512 MiB each: the launch's group holds 1 GiB, so both fit."""
+    """Two ranks under torchrun, 512 MiB each: the launch's group holds 1 GiB and torchrun's
+    own allowance, so both fit."""
     group = agent_groups(2.0)
     launch = make_launch(tmp_path, "fits", HOG, ["64"], group, memory=512 << 20, nproc=2)
     assert launch.kind is BackendKind.TORCHRUN
     launches.append(launch)
     launch.start("127.0.0.1", pick_free_port())
     limit = Path(launch.cgroup.dirs[-1], "memory.limit_in_bytes" if group.layout.version == 1 else "memory.max")
-    assert limit.read_text().strip() == str(1 << 30)
+    assert limit.read_text().strip() == str((1 << 30) + cgroup_plan.LAUNCHER_ALLOWANCE)
     status = launch.wait(60)
     assert status is not None and status.succeeded, status.message
     assert not any(os.path.exists(d) for d in launch.cgroup.dirs)

@@ -71,8 +71,15 @@ def writes(layout, names, limits, **kw):
         ("/sys/fs/cgroup/cpu/torchrelay-agent-7/job-1-a0-n0/cpu.shares", "1024"),
         ("/sys/fs/cgroup/memory/process_api/abc/torchrelay-agent-7/job-1-a0-n0/memory.limit_in_bytes",
          str(2 << 30))]),
+    # torchrun shares the group: its allowance comes on top of the workers' 2 x 1 GiB
+    (V1, ("torchrelay-agent-7", "job-1-a0-n0"), P.launch_limits(0.5, 1 << 30, 2, launcher_process=True),
+     {"swap_files": False}, [
+        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/job-1-a0-n0/cpu.shares", "1024"),
+        ("/sys/fs/cgroup/memory/process_api/abc/torchrelay-agent-7/job-1-a0-n0/memory.limit_in_bytes",
+         str((2 << 30) + P.LAUNCHER_ALLOWANCE))]),
     # a launch that asked for nothing gets no limits of its own (the agent's ceiling holds)
     (V1, ("a", "b"), P.launch_limits(0, 0, 3), {}, []),
+    (V1, ("a", "b"), P.launch_limits(0, 0, 3, launcher_process=True), {}, []),
     # the smallest quota the kernel takes
     (V1, ("a",), P.Limits(cpus=0.001), {}, [("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "100000"),
                                           ("/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us", "1000")]),
@@ -141,3 +148,14 @@ def test_format_bytes(num, text):
 ])
 def test_memory_reason(launch, agent, reason):
     assert P.memory_reason(launch, agent) == reason
+
+
+@pytest.mark.parametrize("limits, granted", [
+    (P.launch_limits(1, 1 << 30, 2), 2 << 30),
+    (P.launch_limits(1, 1 << 30, 2, launcher_process=True), 2 << 30),  # the allowance is not the job's
+    (P.launch_limits(1, 0, 2, launcher_process=True), None),
+])
+def test_the_granted_memory_is_what_the_job_asked_for(limits, granted):
+    assert limits.granted_memory == granted
+    if granted is not None:
+        assert P.memory_reason(limits.granted_memory, None) == f"memory limit {P.format_bytes(granted)} exceeded"

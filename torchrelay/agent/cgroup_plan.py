@@ -55,11 +55,18 @@ class Layout:
 class Limits:
     """What one cgroup enforces. ``cpus``: a hard quota in CPUs (None: none); ``cpu_weight``:
     the CPUs it is guaranteed under contention, as a relative weight (None: the default);
-    ``memory``: a hard limit in bytes (None: none)."""
+    ``memory``: a hard limit in bytes (None: none), of which ``launcher_memory`` is the
+    allowance of the process that starts a launch's workers (``LAUNCHER_ALLOWANCE``)."""
 
     cpus: float | None = None
     cpu_weight: float | None = None
     memory: int | None = None
+    launcher_memory: int = 0
+
+    @property
+    def granted_memory(self) -> int | None:
+        """What the job asked for (memory x workers), the figure a user recognises."""
+        return None if self.memory is None else self.memory - self.launcher_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +80,21 @@ def agent_limits(cpus: float, memory: int) -> Limits:
     return Limits(cpus=cpus if cpus > 0 else None, memory=memory if memory > 0 else None)
 
 
-def launch_limits(cpu_per_worker: float, memory_per_worker: int, workers: int) -> Limits:
-    """A launch's grant: its CPU as a weight, its memory as a hard limit (0: not given, none)."""
+# The process that starts a launch's workers (torchrun; mpirun or orted) sits in the launch's
+# group too, and with torch imported torchrun holds about 300 MiB here: it is allowed this much
+# on top of memory x workers, so that the workers themselves get what the job spec says.
+LAUNCHER_ALLOWANCE = 512 << 20
+
+
+def launch_limits(cpu_per_worker: float, memory_per_worker: int, workers: int,
+                  launcher_process: bool = False) -> Limits:
+    """A launch's grant: its CPU as a weight, its memory as a hard limit (0: not given, none),
+    plus ``LAUNCHER_ALLOWANCE`` when a launcher process (torchrun, mpirun) shares the group."""
+    if memory_per_worker <= 0:
+        return Limits(cpu_weight=cpu_per_worker * workers if cpu_per_worker > 0 else None)
+    extra = LAUNCHER_ALLOWANCE if launcher_process else 0
     return Limits(cpu_weight=cpu_per_worker * workers if cpu_per_worker > 0 else None,
-                  memory=memory_per_worker * workers if memory_per_worker > 0 else None)
+                  memory=memory_per_worker * workers + extra, launcher_memory=extra)
 
 
 # ---------------------------------------------------------------- finding the hierarchy

@@ -202,7 +202,7 @@ class LaunchCgroup:
         if self._released is not None:
             return self._released
         kills = self.oom_kills() if self._created else 0
-        reason = plan.memory_reason(self.limits.memory, self.agent.limits.memory) if kills else None
+        reason = plan.memory_reason(self.limits.granted_memory, self.agent.limits.memory) if kills else None
         deadline = time.monotonic() + REMOVE_TIMEOUT_S
         for directory in self.dirs:
             _remove_dir(directory, deadline)
@@ -253,10 +253,11 @@ class AgentCgroups:
         return group
 
     def launch(self, launch_id: str, *, cpu_per_worker: float, memory_per_worker: int,
-               workers: int) -> LaunchCgroup:
-        """The (not yet created) group of one launch."""
+               workers: int, launcher_process: bool = False) -> LaunchCgroup:
+        """The (not yet created) group of one launch; ``launcher_process``: torchrun or mpirun
+        starts its workers (``plan.LAUNCHER_ALLOWANCE``)."""
         cgroup = LaunchCgroup(self, plan.launch_group_name(launch_id),
-                              plan.launch_limits(cpu_per_worker, memory_per_worker, workers))
+                              plan.launch_limits(cpu_per_worker, memory_per_worker, workers, launcher_process))
         with self._lock:
             self._launches[id(cgroup)] = cgroup
         return cgroup

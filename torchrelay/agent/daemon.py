@@ -65,7 +65,7 @@ from torchrelay import wire
 from torchrelay.agent.bundles import BundleCache
 from torchrelay.agent.cgroups import AgentCgroups, CgroupError, CgroupUnavailable
 from torchrelay.agent.gpus import GpuSlots
-from torchrelay.agent.launcher import Launch
+from torchrelay.agent.launcher import Launch, has_launcher_process
 from torchrelay.agent.netif import check_advertised, transport_env
 from torchrelay.agent.outbox import Carrier, Entry, Outbox
 from torchrelay.agent.processes import kill_launch_processes
@@ -246,7 +246,8 @@ class Agent:
                     cuda_visible_devices: str | None) -> LaunchHandle:
         cgroup = None if self.cgroups is None else self.cgroups.launch(
             assignment.launch_id, cpu_per_worker=assignment.cpu, memory_per_worker=assignment.memory,
-            workers=assignment.nproc_per_node)
+            workers=assignment.nproc_per_node,
+            launcher_process=has_launcher_process(assignment, self.zygote))
         return Launch(assignment, code_dir=code_dir, run_dir=run_dir, relay_address=self.address,
                       zygote=self.zygote, cuda_visible_devices=cuda_visible_devices, cgroup=cgroup,
                       node_env=self.node_env)

@@ -60,6 +60,13 @@ def default_backend_kind(assignment: wire.LaunchAssignment, zygote: Zygote | Non
     return BackendKind.ZYGOTE if zygote is not None else BackendKind.DIRECT
 
 
+def has_launcher_process(assignment: wire.LaunchAssignment, zygote: Zygote | None) -> bool:
+    """Whether a launcher process (torchrun, mpirun, orted) shares the launch's cgroup with its
+    workers, so that the group's memory limit must allow for it (``cgroup_plan.LAUNCHER_ALLOWANCE``)."""
+    return default_backend_kind(assignment, zygote) in (
+        BackendKind.TORCHRUN, BackendKind.MPIRUN, BackendKind.MPI_DAEMON)
+
+
 def pick_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS says is free on ``host`` right now (bind port 0, read it, release)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
