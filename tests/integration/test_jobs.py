@@ -17,18 +17,25 @@ def plain_spec(mode="ok"):
 
 
 def worker_pids(home: Path) -> list[int]:
-    """Processes whose command line runs a test job's script under this RELAY_HOME."""
-    out = []
+    """Processes whose command line runs a test job's script under this RELAY_HOME, and the
+    ranks an agent's warm zygote forked (they show the zygote's command line)."""
+    out, zygotes = [], {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             env = (entry / "environ").read_bytes()
-        except OSError:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if "allreduce.py" in cmd and str(home).encode() in env:
+        if str(home).encode() not in env:
+            continue
+        if "allreduce.py" in cmd:
             out.append(int(entry.name))
+        elif "torchrelay.agent.zygote" in cmd:
+            zygotes[int(entry.name)] = ppid
+    out += [pid for pid, parent in zygotes.items() if parent in zygotes]  # forked by a zygote
     return out
 
 
@@ -44,6 +51,8 @@ def test_two_nodes_two_workers_succeed(cluster_factory):
         texts = [line.text for line in c.follow_logs(info.id)]
         assert "rank 0/2 sum=3" in texts and "rank 1/2 sum=3" in texts
         assert [e.state for e in final.events][-1] == JobState.SUCCEEDED
+        warm = [e.message for e in final.events if "forked from the warm zygote" in e.message]
+        assert len(warm) == 2, final.events  # each node's launch says how it started
 
 
 def test_failing_rank_fails_job_and_ends_peers(cluster_factory):

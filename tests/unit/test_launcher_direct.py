@@ -30,14 +30,16 @@ def test_is_direct_only_for_a_world_of_one(nnodes, nproc, world, direct):
     assert is_direct(assignment(nnodes=nnodes, nproc_per_node=nproc, world_size=world)) is direct
 
 
-@pytest.mark.parametrize("nproc, world, with_zygote, kind", [
-    (2, 2, True, BackendKind.TORCHRUN),
-    (1, 1, True, BackendKind.ZYGOTE),
-    (1, 1, False, BackendKind.DIRECT),
+@pytest.mark.parametrize("nproc, world, with_zygote, with_warm, kind", [
+    (2, 2, True, False, BackendKind.TORCHRUN),
+    (2, 2, True, True, BackendKind.WARM),
+    (1, 1, True, True, BackendKind.ZYGOTE),
+    (1, 1, False, False, BackendKind.DIRECT),
 ])
-def test_default_backend(nproc, world, with_zygote, kind):
+def test_default_backend(nproc, world, with_zygote, with_warm, kind):
     zygote = Zygote(python="/py") if with_zygote else None  # never started: nothing spawned
-    assert default_backend_kind(assignment(nproc_per_node=nproc, world_size=world), zygote) is kind
+    warm = Zygote(python="/py", preload=("torch",)) if with_warm else None
+    assert default_backend_kind(assignment(nproc_per_node=nproc, world_size=world), zygote, warm) is kind
 
 
 def test_rank_env_is_what_torchrun_gives_a_single_worker():

@@ -5,7 +5,7 @@ stop protocol) and leaves three hooks to a ``LaunchBackend``, the way torch.dist
 agent leaves ``_start_workers``/``_monitor_workers``/``_stop_workers`` to its subclasses:
 ``start`` (does not block), ``poll`` (whether the first process ended; ``returncode`` then),
 ``wait`` (block up to a timeout for that) and ``signal`` (to the first process's group); plus
-``leftover_group``, a process group ``Launch`` sweeps with the tagged processes after the end.
+``leftover_groups``, process groups ``Launch`` sweeps with the tagged processes after the end.
 
 Contract of the backends:
 - ``TorchrunBackend`` (every multi-worker or multi-node launch): torchrun in a new session, its
@@ -65,6 +65,7 @@ class BackendKind(enum.Enum):
     ZYGOTE = "zygote"
     MPIRUN = "mpirun"  # node 0 of an mpirun job (``torchrelay.agent.mpi`` has the pure parts)
     MPI_DAEMON = "mpi_daemon"  # another node of it
+    WARM = "warm"  # every rank forked from the warm zygote (``torchrelay.agent.warm``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +103,7 @@ class LaunchBackend(abc.ABC):
         self.pid: int | None = None  # the first process, once started
         self.returncode: int | None = None  # once ``poll``/``wait`` saw it end
         self.forked = False
+        self.note = ""  # how it started, when worth an event (e.g. why a warm launch fell back)
 
     @property
     def log_path(self) -> Path:
@@ -124,9 +126,9 @@ class LaunchBackend(abc.ABC):
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the first process's group; nothing if it is gone."""
 
-    def leftover_group(self) -> int | None:
-        """A process group to sweep after the end besides the tagged processes (None: none)."""
-        return None
+    def leftover_groups(self) -> list[int]:
+        """Process groups to sweep after the end besides the tagged processes."""
+        return []
 
 
 class CommandBackend(LaunchBackend):
@@ -266,23 +268,27 @@ class DirectBackend(LaunchBackend):
     first_process = "the worker"
     unstarted = "stopped before it started"
 
-    def __init__(self, place: LaunchPlace):
+    def __init__(self, place: LaunchPlace, rank: int | None = None):
         super().__init__(place)
         self.target = target_of_entrypoint(place.assignment.entrypoint, place.python)
-        self.rank = place.assignment.rank_offset
+        self.rank = place.assignment.rank_offset if rank is None else rank
+        self.marker = str(place.run_dir / "status" / f"rank-{self.rank}.json")
         self._exited = threading.Event()  # the worker was reaped and its marker written
 
+    def rank_env(self, master_addr: str, master_port: int) -> dict[str, str]:
+        """The variables torchrun would add for this rank (``commands.build_rank_env``)."""
+        return build_rank_env(self.place.assignment, master_addr=master_addr, master_port=master_port,
+                              rank=self.rank)
+
     def start(self, env: dict[str, str], master_addr: str, master_port: int) -> None:
-        env = {**env, **build_rank_env(self.place.assignment, master_addr=master_addr, master_port=master_port,
-                                       rank=self.rank)}
+        env = {**env, **self.rank_env(master_addr, master_port)}
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun: the caller's, else 1
-        run_dir = self.place.run_dir
-        marker = str(run_dir / "status" / f"rank-{self.rank}.json")
+        marker = self.marker
         try:
             os.remove(marker)  # a marker left by an earlier run must not speak for this one
         except FileNotFoundError:
             pass
-        rank_log = worker.RankLog(str(run_dir / "logs" / f"rank-{self.rank}.log"))
+        rank_log = worker.RankLog(str(self.place.run_dir / "logs" / f"rank-{self.rank}.log"))
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         with open(self.log_path, "ab") as launch_log:
@@ -293,11 +299,16 @@ class DirectBackend(LaunchBackend):
                 os.close(err_read)
                 self._cannot_start(exc, launch_log, rank_log, marker)
                 return
+            except BaseException:  # e.g. a warm rank the zygote refused: the caller falls back
+                os.close(out_read)
+                os.close(err_read)
+                rank_log.close()
+                raise
             finally:
                 os.close(out_write)
                 os.close(err_write)
         self.pid = spawned.pid
-        threading.Thread(target=self._supervise, name=f"relay-supervise-{self.place.assignment.launch_id}",
+        threading.Thread(target=self._supervise, name=f"relay-supervise-{self.place.assignment.launch_id}-{self.rank}",
                          args=(spawned, {out_read: "o", err_read: "e"}, rank_log, marker), daemon=True).start()
 
     def _spawn(self, env: dict[str, str], stdout: int, stderr: int, launch_log: BinaryIO) -> _Spawned:
@@ -353,16 +364,16 @@ class DirectBackend(LaunchBackend):
         if self.pid is not None:  # the worker's own group: the script and the children it did not move
             signal_group(self.pid, sig)
 
-    def leftover_group(self) -> int | None:
+    def leftover_groups(self) -> list[int]:
         # a forked worker's children carry the zygote's environment, not the launch's
-        return self.pid
+        return [self.pid] if self.pid is not None else []
 
 
 class ZygoteBackend(DirectBackend):
     kind = BackendKind.ZYGOTE
 
-    def __init__(self, place: LaunchPlace, zygote: Zygote):
-        super().__init__(place)
+    def __init__(self, place: LaunchPlace, zygote: Zygote, rank: int | None = None):
+        super().__init__(place, rank)
         self.zygote = zygote
 
     def _spawn(self, env: dict[str, str], stdout: int, stderr: int, launch_log: BinaryIO) -> _Spawned:

@@ -32,7 +32,9 @@ Contract:
   it replies); an ``exited`` goes only after the launch's lines and metrics were delivered, and
   a launch is let go of only once nothing of it is owed.
 - Direct launches of Python workers are forked from the agent's zygote (``zygote.Zygote``,
-  started with the first one; ``zygote=False`` or ``RELAY_AGENT_ZYGOTE=0`` turns it off).
+  started with the first one; ``zygote=False`` or ``RELAY_AGENT_ZYGOTE=0`` turns it off), the
+  ranks of every other launch from its warm zygote (torch imported; ``warm.WarmBackend``, also
+  started with the first one and turned off by the same switch: torchrun then).
 - Limits (``cgroups="auto"|"on"|"off"``, default ``RELAY_AGENT_CGROUPS`` else auto): the agent
   enforces its offer (``cpus``, ``memory``) and each launch's grant with cgroups
   (``torchrelay.agent.cgroups``), created in ``run`` under ``cgroup_parent`` (default: its own
@@ -125,6 +127,10 @@ class Agent:
             zygote = os.environ.get("RELAY_AGENT_ZYGOTE", "1") != "0"
         self.zygote = Zygote(env={**os.environ, "PYTHONUNBUFFERED": "1"},
                              log_path=str(self.work_dir / "zygote.log")) if zygote else None
+        # the warm zygote (torch imported) forks the ranks of multi-rank launches; started with
+        # the first one. Its environment is what a launch's would be (OMP_NUM_THREADS=1 unless set).
+        self.warm_zygote = Zygote(env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
+                                  log_path=str(self.work_dir / "warm-zygote.log"), preload=("torch",)) if zygote else None
         self.server: ServerLink = server or HttpServerLink(self.address, long_poll_s=heartbeat_wait_s)
         self.outbox = Outbox()
         self.gpu_slots = GpuSlots(self.gpus)  # which device indices each launch holds
@@ -194,8 +200,9 @@ class Agent:
                 runner.thread.join()
             elif runner.launch is not None:  # finished: sweep what it may have left anyway
                 runner.launch.stop(self.stop_grace_s)
-        if self.zygote is not None:
-            self.zygote.close()
+        for zygote in (self.zygote, self.warm_zygote):
+            if zygote is not None:
+                zygote.close()
         if self.cgroups is not None:
             self.cgroups.close()
         if self.probe is not None:
@@ -247,10 +254,10 @@ class Agent:
         cgroup = None if self.cgroups is None else self.cgroups.launch(
             assignment.launch_id, cpu_per_worker=assignment.cpu, memory_per_worker=assignment.memory,
             workers=assignment.nproc_per_node,
-            launcher_process=has_launcher_process(assignment, self.zygote))
+            launcher_process=has_launcher_process(assignment, self.zygote, self.warm_zygote))
         return Launch(assignment, code_dir=code_dir, run_dir=run_dir, relay_address=self.address,
                       zygote=self.zygote, cuda_visible_devices=cuda_visible_devices, cgroup=cgroup,
-                      node_env=self.node_env)
+                      node_env=self.node_env, warm_zygote=self.warm_zygote)
 
     def _open_cgroups(self) -> None:
         """This agent's cgroup, with its offer as the ceiling (see the module docstring)."""

@@ -47,24 +47,39 @@ from torchrelay.agent.commands import build_worker_env, is_direct
 from torchrelay.agent.exits import LAST_LINES, classify_exit, exit_message, no_exit_record
 from torchrelay.agent.output import LaunchOutput
 from torchrelay.agent.processes import end_processes, find_launch_processes, group_alive
+from torchrelay.agent.warm import WarmBackend
 from torchrelay.agent.zygote import Zygote
 
 
-def default_backend_kind(assignment: wire.LaunchAssignment, zygote: Zygote | None) -> BackendKind:
-    """An mpirun job: mpirun on node 0, the daemon it hands over elsewhere. Else torchrun unless a
-    world of one; then the zygote if there is one, else a direct start."""
+def default_backend_kind(assignment: wire.LaunchAssignment, zygote: Zygote | None,
+                         warm_zygote: Zygote | None = None) -> BackendKind:
+    """An mpirun job: mpirun on node 0, the daemon it hands over elsewhere. A world of one: the
+    zygote if there is one, else a direct start; any other launch: its ranks forked from the warm
+    zygote if there is one, else torchrun."""
     if assignment.launcher == "mpirun":
         return BackendKind.MPIRUN if assignment.node_rank == 0 else BackendKind.MPI_DAEMON
     if not is_direct(assignment):
-        return BackendKind.TORCHRUN
+        return BackendKind.WARM if warm_zygote is not None else BackendKind.TORCHRUN
     return BackendKind.ZYGOTE if zygote is not None else BackendKind.DIRECT
 
 
-def has_launcher_process(assignment: wire.LaunchAssignment, zygote: Zygote | None) -> bool:
+def has_launcher_process(assignment: wire.LaunchAssignment, zygote: Zygote | None,
+                         warm_zygote: Zygote | None = None) -> bool:
     """Whether a launcher process (torchrun, mpirun, orted) shares the launch's cgroup with its
-    workers, so that the group's memory limit must allow for it (``cgroup_plan.LAUNCHER_ALLOWANCE``)."""
-    return default_backend_kind(assignment, zygote) in (
-        BackendKind.TORCHRUN, BackendKind.MPIRUN, BackendKind.MPI_DAEMON)
+    workers, so that the group's memory limit must allow for it (``cgroup_plan.LAUNCHER_ALLOWANCE``).
+    A warm launch counts: it may fall back to torchrun, and node 0's hosts the store."""
+    return default_backend_kind(assignment, zygote, warm_zygote) in (
+        BackendKind.TORCHRUN, BackendKind.MPIRUN, BackendKind.MPI_DAEMON, BackendKind.WARM)
+
+
+def backend_for(kind: BackendKind, place: LaunchPlace, zygote: Zygote | None,
+                warm_zygote: Zygote | None) -> LaunchBackend:
+    """The backend of ``kind`` (``WARM`` needs ``warm_zygote``). Raises ``ValueError``."""
+    if kind is not BackendKind.WARM:
+        return make_backend(kind, place, zygote)
+    if warm_zygote is None:
+        raise ValueError("a warm launch needs the agent's warm zygote; give warm_zygote=")
+    return WarmBackend(place, warm_zygote)
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -94,7 +109,8 @@ class Launch:
                  relay_address: str = "", python: str = sys.executable,
                  base_env: Mapping[str, str] | None = None, zygote: Zygote | None = None,
                  cuda_visible_devices: str | None = None, backend: BackendKind | None = None,
-                 cgroup: LaunchCgroup | None = None, node_env: Mapping[str, str] | None = None):
+                 cgroup: LaunchCgroup | None = None, node_env: Mapping[str, str] | None = None,
+                 warm_zygote: Zygote | None = None):
         self.assignment = assignment
         self.run_dir = Path(run_dir)
         self.relay_address = relay_address
@@ -104,8 +120,8 @@ class Launch:
         self.cgroup = cgroup
         place = LaunchPlace(assignment=assignment, code_dir=Path(code_dir), run_dir=self.run_dir, python=python,
                             cgroup=cgroup)
-        self.backend: LaunchBackend = make_backend(backend or default_backend_kind(assignment, zygote), place,
-                                                   zygote)
+        kind = backend or default_backend_kind(assignment, zygote, warm_zygote)
+        self.backend: LaunchBackend = backend_for(kind, place, zygote, warm_zygote)
         self.ranks = range(assignment.rank_offset, assignment.rank_offset + assignment.nproc_per_node)
         self._output = LaunchOutput(self.run_dir, self.ranks, attempt=assignment.attempt,
                                     launch_id=assignment.launch_id)
@@ -135,8 +151,13 @@ class Launch:
 
     @property
     def forked(self) -> bool:
-        """Whether the zygote forked the worker."""
+        """Whether the zygote forked the worker (a warm launch: its ranks)."""
         return self.backend.forked
+
+    @property
+    def note(self) -> str:
+        """How it started, when worth a job event (e.g. why a warm launch fell back to torchrun)."""
+        return self.backend.note
 
     @property
     def launcher_log(self) -> Path:
@@ -280,13 +301,12 @@ class Launch:
 
     def _kill_leftovers(self, grace_s: float) -> None:
         """End the processes still tagged with this launch, and what is left in the backend's
-        ``leftover_group``: SIGTERM, SIGKILL after ``grace_s``."""
-        group = self.backend.leftover_group()
+        ``leftover_groups``: SIGTERM, SIGKILL after ``grace_s``."""
+        groups = self.backend.leftover_groups()
 
         def left() -> list[int]:
             pids = find_launch_processes(self.launch_id, self.run_dir)
-            if group is not None and group_alive(group):
-                pids.append(-group)
+            pids += [-group for group in groups if group_alive(group)]
             return pids
 
         end_processes(left, grace_s)

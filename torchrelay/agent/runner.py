@@ -164,7 +164,9 @@ class LaunchRunner:
         if ended is not None:
             self._flush_records()
             return ended
-        self.deps.report(self, wire.LaunchStatus(state="running", master_port=node0_port, mpi_daemons=daemons))
+        note = getattr(launch, "note", "")  # e.g. why a warm launch went through torchrun
+        self.deps.report(self, wire.LaunchStatus(state="running", master_port=node0_port, mpi_daemons=daemons,
+                                                 message=note))
         status = self._watch(launch)
         self._flush_records()  # its last lines go ahead of its end
         return status

@@ -33,6 +33,18 @@ Contract:
 - The zygote exits when the agent's end of its socket closes (the agent died or closed it),
   and kills the sessions of the children still running first: nothing it forked outlives
   the agent.
+- ``Zygote(preload=("torch",))`` is a *warm* zygote (the agent's for multi-rank launches, see
+  ``torchrelay.agent.warm``): it imports those modules once before it serves, so a forked rank
+  skips ``import torch`` (about 1.5 s of CPU). Because the libraries it loaded read their
+  threading variables when loaded, ``eligible`` then also requires ``OMP_*``, ``MKL_*``,
+  ``OPENBLAS_*``, ``KMP_*`` and ``GOMP_*`` to equal the zygote's (``THREAD_PREFIXES``). It
+  refuses to fork once a CUDA context exists in it (the child could not use CUDA); it never
+  makes one, since it runs no job code. After the fork the child reseeds what a fresh
+  interpreter seeds from entropy (torch's default CPU generator and numpy's global one, if
+  loaded; ``random`` reseeds itself), so no two workers share a random stream.
+- ``Zygote.spawn_store(host, port, stdout=, stderr=)`` forks a process that hosts a
+  ``TCPStore`` on ``host:port`` (what torchrun's agent hosts for its workers) until it is
+  killed; it needs a zygote that preloaded torch.
 """
 from __future__ import annotations
 
@@ -51,28 +63,43 @@ from torchrelay.agent.target import TargetKind, WorkerTarget
 
 MAX_MESSAGE = 256 * 1024  # one request: an environment and a command line
 STARTUP_VARIABLES = ("LANG", "TZ")  # besides PYTHON* and LC_*: read when the interpreter starts
+THREAD_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_")  # read when torch/numpy load
+STORE_KIND = "store"  # the request kind of a TCPStore host (see ``spawn_store``)
 
 
 class ZygoteError(RuntimeError):
     """The zygote could not fork the worker (it is not running, or refused the request)."""
 
 
-def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` an interpreter reads when it starts (pure)."""
-    return {k: v for k, v in env.items()
-            if k.startswith(("PYTHON", "LC_")) or k in STARTUP_VARIABLES}
+def startup_environment(env: Mapping[str, str], threads: bool = False) -> dict[str, str]:
+    """The variables of ``env`` an interpreter reads when it starts (pure); with ``threads``
+    also those torch and numpy read when they load (``THREAD_PREFIXES``)."""
+    prefixes = ("PYTHON", "LC_", *(THREAD_PREFIXES if threads else ()))
+    return {k: v for k, v in env.items() if k.startswith(prefixes) or k in STARTUP_VARIABLES}
+
+
+def refusal(target: WorkerTarget, env: Mapping[str, str], *, python: str, zygote_python: str,
+            zygote_env: Mapping[str, str], threads: bool = False) -> str | None:
+    """Why a launch of ``target`` with ``env`` may not be forked from the zygote, or None when
+    it may (pure); ``python`` is the interpreter that would run a hosted target, ``threads``
+    whether the zygote preloaded libraries that read the threading variables."""
+    if target.kind is TargetKind.PROGRAM:
+        return f"{target.target!r} is not a Python script, module or -c code"
+    interpreter = target.interpreter if target.kind is TargetKind.CODE else python
+    if interpreter != zygote_python:
+        return f"the job's interpreter {interpreter!r} is not the zygote's {zygote_python!r}"
+    ours, theirs = startup_environment(env, threads), startup_environment(zygote_env, threads)
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        return f"the job sets {', '.join(differ)} differently from the zygote (read when the interpreter starts)"
+    return None
 
 
 def eligible(target: WorkerTarget, env: Mapping[str, str], *, python: str, zygote_python: str,
              zygote_env: Mapping[str, str]) -> bool:
     """Whether a direct launch of ``target`` with ``env`` may be forked from the zygote
     (pure); ``python`` is the interpreter that would run a hosted target."""
-    if target.kind is TargetKind.PROGRAM:
-        return False
-    interpreter = target.interpreter if target.kind is TargetKind.CODE else python
-    if interpreter != zygote_python:
-        return False
-    return startup_environment(env) == startup_environment(zygote_env)
+    return refusal(target, env, python=python, zygote_python=zygote_python, zygote_env=zygote_env) is None
 
 
 # ---------------------------------------------------------------- the agent's side
@@ -82,10 +109,11 @@ class Zygote:
     """The agent's handle on its zygote process. Thread-safe."""
 
     def __init__(self, python: str = sys.executable, env: Mapping[str, str] | None = None,
-                 log_path: str | None = None):
+                 log_path: str | None = None, preload: tuple[str, ...] = ()):
         self.python = python
         self.env = dict(os.environ if env is None else env)
         self.log_path = log_path
+        self.preload = tuple(preload)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._proc: subprocess.Popen | None = None
@@ -111,7 +139,7 @@ class Zygote:
             log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
             try:
                 self._proc = subprocess.Popen(
-                    [self.python, "-m", "torchrelay.agent.zygote", str(theirs.fileno())],
+                    [self.python, "-m", "torchrelay.agent.zygote", str(theirs.fileno()), *self.preload],
                     env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                     stdout=log, stderr=log, start_new_session=True)
             finally:
@@ -127,18 +155,36 @@ class Zygote:
                          daemon=True).start()
         return ours
 
+    @property
+    def threads(self) -> bool:
+        """Whether it preloaded libraries that read the threading variables when they load."""
+        return bool(self.preload)
+
     def spawn(self, target: WorkerTarget, *, env: Mapping[str, str], cwd: str, stdout: int, stderr: int,
-              timeout: float = 30.0) -> int:
+              timeout: float = 120.0) -> int:
         """Fork a worker that runs ``target`` (code, a script or a module); its pid. Blocks
-        until forked. Raises ``ZygoteError``."""
+        until forked (the first request also waits for the zygote's start and preloads).
+        Raises ``ZygoteError``."""
         if target.kind is TargetKind.PROGRAM:
             raise ZygoteError(f"a program ({target.target!r}) is started, not forked")
+        return self._request({"kind": target.kind.value, "target": target.target, "args": list(target.args),
+                              "env": dict(env), "cwd": cwd}, stdout, stderr, timeout)
+
+    def spawn_store(self, host: str, port: int, *, env: Mapping[str, str], cwd: str, stdout: int, stderr: int,
+                    timeout: float = 120.0) -> int:
+        """Fork a process that hosts a TCPStore on ``host:port`` until killed (its own session);
+        its pid. Raises ``ZygoteError`` (also when the zygote did not preload torch)."""
+        if "torch" not in self.preload:
+            raise ZygoteError("only a zygote that preloaded torch can host a store")
+        return self._request({"kind": STORE_KIND, "target": f"{host}:{int(port)}", "args": [], "env": dict(env),
+                              "cwd": cwd}, stdout, stderr, timeout)
+
+    def _request(self, request: dict, stdout: int, stderr: int, timeout: float) -> int:
         with self._lock:
             sock = self._ensure_started()
             self._next_id += 1
             request_id = self._next_id
-            body = json.dumps({"id": request_id, "kind": target.kind.value, "target": target.target,
-                               "args": list(target.args), "env": dict(env), "cwd": cwd}).encode()
+            body = json.dumps({"id": request_id, **request}).encode()
             if len(body) > MAX_MESSAGE:
                 raise ZygoteError(f"request of {len(body)} bytes is over {MAX_MESSAGE}")
             try:
@@ -241,6 +287,9 @@ def _child(request: dict, stdout: int, stderr: int, sock: socket.socket, wakeup:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _fresh_after_fork()
+        if request["kind"] == STORE_KIND:
+            _host_store(request["target"])
         target = WorkerTarget(kind=TargetKind(request["kind"]), target=request["target"],
                               args=tuple(request["args"]))
         if target.kind is TargetKind.CODE:
@@ -254,6 +303,39 @@ def _child(request: dict, stdout: int, stderr: int, sock: socket.socket, wakeup:
         finally:
             os._exit(127)
     os._exit(127)
+
+
+def _fresh_after_fork() -> None:
+    """Reseed what a fresh interpreter seeds from entropy, so forked workers do not share a
+    stream: torch's default CPU generator and numpy's global one (when the zygote loaded them;
+    torch seeds its CPU generator non-deterministically at import). ``random`` does it itself."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _host_store(address: str) -> None:
+    """In the forked child: host a TCPStore on ``address`` (``host:port``) until killed, as
+    torchrun's agent does for its workers (``multi_tenant``: a worker's own ``TCPStore`` on
+    the same port shares it). Never returns."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, multi_tenant=True)
+    print(f"torchrelay zygote: hosting the launch's store on {address}", flush=True)
+    while store is not None:
+        signal.pause()
+
+
+def _fork_refusal() -> str | None:
+    """Why this zygote may not fork now, or None (a CUDA context cannot cross a fork)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "a CUDA context exists in the zygote; a forked child could not use CUDA"
+    return None
 
 
 def serve(fd: int) -> None:
@@ -305,7 +387,10 @@ def serve(fd: int) -> None:
             for extra in fds:
                 os.close(extra)
             continue
+        refused = _fork_refusal()
         try:
+            if refused:
+                raise OSError(refused)
             pid = os.fork()
         except OSError as exc:
             agent_there = send({"id": request["id"], "error": f"fork failed: {exc}"})
@@ -325,15 +410,22 @@ def serve(fd: int) -> None:
                 pass
 
 
-def _preload() -> None:
+def _preload(modules: list[str]) -> None:
     """What every worker would import anyway, imported once here (besides the worker module,
-    imported with this one)."""
+    imported with this one), and the ``modules`` asked for (a warm zygote's ``torch``)."""
+    import importlib
     import pkgutil  # noqa: F401  (runpy.run_path imports it, and typing with it)
     import runpy  # noqa: F401
     import types  # noqa: F401
 
+    for name in modules:
+        importlib.import_module(name)
+    if "torch" in modules:  # what a DDP script imports next; none of these starts a thread
+        importlib.import_module("torch.distributed")
+        importlib.import_module("torch.nn.parallel")
+
 
 if __name__ == "__main__":
-    _preload()
+    _preload(sys.argv[2:])
     serve(int(sys.argv[1]))
     os._exit(0)

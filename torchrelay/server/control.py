@@ -137,6 +137,8 @@ class Control:
             self.launch_exited(rows, launch, status, now)
         elif target is not None:
             rows.advance_launch(launch, target)
+            if status.message and target == LaunchState.RUNNING:  # how it started (warm, or why not)
+                rows.add_event(rows.job_by_seq(launch.job_seq), f"launch {launch.id}: {status.message}", now)
             self.evaluate(rows, rows.job_by_seq(launch.job_seq), now, _alone(launch))
 
     def launch_exited(self, rows: Rows, launch: Any, status: LaunchStatus, now: float, infra: bool = False) -> None:
