@@ -3,7 +3,9 @@
 Contract:
 - Processes are found by reading ``/proc/<pid>/environ`` (only this user's are readable):
   ``RELAY_JOB_ID`` names the job, ``RELAY_ATTEMPT`` the attempt, ``RANK`` the worker's rank.
-  Zombies have no environment and are never listed.
+  Zombies have no environment and are never listed. A rank forked by an agent's warm zygote
+  shows the zygote's environment: it is found through its launch's ``ranks.json`` (next to
+  its working directory), with the launch's store host (rank None).
 - ``worker_pids`` returns the *script* processes (the user's training code). Under the
   worker exit hook each rank is a supervisor plus the script process it forked, both with the
   rank's ``RANK``; the script process is the one whose parent is that supervisor. For a rank
@@ -81,7 +83,45 @@ def job_processes(job_id: str, attempt: int | None = None) -> list[JobProcess]:
         proc = JobProcess(pid=pid, ppid=stat[0], rank=_int(env.get("RANK")), attempt=_int(env.get("RELAY_ATTEMPT")))
         if attempt is None or proc.attempt == attempt:
             out.append(proc)
+    out += _warm_processes(job_id, attempt, home)
     return sorted(out, key=lambda p: p.pid)
+
+
+def _warm_ranks(pid: int) -> dict | None:
+    """For a rank forked by an agent's warm zygote (its environment and command line are the
+    zygote's): its launch's ``ranks.json``, found next to its working directory (the launch's
+    ``code`` folder). None for any other process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"torchrelay.agent.zygote" not in fh.read():
+                return None
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        with open(os.path.join(os.path.dirname(cwd), "ranks.json")) as fh:
+            import json
+
+            return {**json.load(fh), "run_dir": os.path.dirname(cwd)}
+    except (OSError, ValueError):
+        return None
+
+
+def _warm_processes(job_id: str, attempt: int | None, home: str | None) -> list[JobProcess]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        record = _warm_ranks(pid)
+        if record is None or record.get("job_id") != job_id:
+            continue
+        if home and not record["run_dir"].startswith(home.rstrip("/") + "/"):
+            continue
+        rank = next((int(r) for r, p in record["ranks"].items() if p == pid), None)
+        stat = _ppid_and_state(pid)
+        if (rank is None and pid != record.get("store")) or stat is None or stat[1] == "Z":
+            continue
+        if attempt is None or record["attempt"] == attempt:
+            out.append(JobProcess(pid=pid, ppid=stat[0], rank=rank, attempt=record["attempt"]))
+    return out
 
 
 def job_pids(job_id: str, attempt: int | None = None) -> list[int]:

@@ -109,10 +109,27 @@ class _Balanced(_Strict):
     balance_threshold: float = Field(default=0.1, gt=0, lt=1)
 
 
+class ElasticRange(_Strict):
+    """``elastic: {min_workers, max_workers}``: the job's workers may change while it runs; the
+    survivors of a failed worker go on without it (docs/elastic.md)."""
+
+    min_workers: int = Field(ge=1)
+    max_workers: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ElasticRange":
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers={self.max_workers} is below min_workers={self.min_workers}; "
+                             "give max_workers >= min_workers")
+        return self
+
+
 class DDPStrategy(_Balanced):
-    """Gradients all-reduced every step (DistributedDataParallel)."""
+    """Gradients all-reduced every step (DistributedDataParallel); with ``elastic``, by
+    ``torchrelay.train.elastic`` over membership epochs."""
 
     kind: Literal["ddp"] = "ddp"
+    elastic: ElasticRange | None = None
 
 
 class LocalSGDStrategy(_Balanced):
@@ -295,6 +312,14 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.tensor_parallel={degree} must divide workers={self.workers}: the "
                              f"workers form a (data parallel × tensor parallel) mesh; use workers = "
                              f"{degree} × k")
+        return self
+
+    @model_validator(mode="after")
+    def _elastic_range(self) -> "JobSpec":
+        elastic = getattr(self.strategy, "elastic", None)
+        if elastic is not None and not elastic.min_workers <= self.workers <= elastic.max_workers:
+            raise ValueError(f"workers={self.workers} is outside strategy.elastic's range "
+                             f"[{elastic.min_workers}, {elastic.max_workers}]; give workers within it")
         return self
 
     @property

@@ -233,7 +233,10 @@ def test_killed_agent_node_lost_job_moves_and_orphans_are_ended(cluster_factory,
     cluster = cluster_factory(2, heartbeat_timeout_s=3)
     restarted = None
     with RelayClient(cluster.address) as c:
-        job = c.submit(trainer_spec("moves", "--sleep 0.4", nodes=1, workers_per_node=2), base_dir=JOBS)
+        # through torchrun: ranks forked warm do not outlive their agent (its zygote ends them),
+        # and this test is about the processes an agent that died leaves behind
+        job = c.submit(trainer_spec("moves", "--sleep 0.4", nodes=1, workers_per_node=2,
+                                    env={"RELAY_FRESH_INTERPRETER": "1"}), base_dir=JOBS)
         wait_for_step(c, job.id, 1, 12)
         (first,) = c.job(job.id).placement
         index = int(first.node_name.rsplit("-", 1)[1])

@@ -44,10 +44,10 @@ from torchrelay import wire
 from torchrelay.agent.backends import BackendKind, LaunchBackend, LaunchPlace, make_backend
 from torchrelay.agent.cgroups import LaunchCgroup, Release
 from torchrelay.agent.commands import build_worker_env, is_direct
-from torchrelay.agent.exits import LAST_LINES, classify_exit, exit_message, no_exit_record
+from torchrelay.agent.exits import LAST_LINES, classify_exit, describe_rank, exit_message, no_exit_record
 from torchrelay.agent.output import LaunchOutput
 from torchrelay.agent.processes import end_processes, find_launch_processes, group_alive
-from torchrelay.agent.warm import WarmBackend
+from torchrelay.agent.warm import WarmBackend, elastic_min_workers
 from torchrelay.agent.zygote import Zygote
 
 
@@ -79,7 +79,8 @@ def backend_for(kind: BackendKind, place: LaunchPlace, zygote: Zygote | None,
         return make_backend(kind, place, zygote)
     if warm_zygote is None:
         raise ValueError("a warm launch needs the agent's warm zygote; give warm_zygote=")
-    return WarmBackend(place, warm_zygote)
+    elastic = elastic_min_workers(place.assignment.env) is not None
+    return WarmBackend(place, warm_zygote, stop_peers_on_failure=not elastic)
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -88,6 +89,12 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def elastic_survived(ranks: list[wire.RankExit], min_workers: int | None) -> bool:
+    """Whether an elastic launch succeeded although some ranks failed: at least ``min_workers``
+    of its ranks returned (the others left the job, which went on without them)."""
+    return min_workers is not None and sum(r.returned for r in ranks) >= min_workers
 
 
 def oom_ranks(ranks: list[wire.RankExit], reason: str) -> list[wire.RankExit]:
@@ -225,6 +232,7 @@ class Launch:
     def _finish(self) -> wire.LaunchStatus:
         self._read_output(final=True)
         ranks, succeeded = classify_exit(self.ranks, self._markers(), self._output.last_lines)
+        succeeded = succeeded or elastic_survived(ranks, elastic_min_workers(self.assignment.env))
         released = self.cgroup.release() if self.cgroup is not None else Release(0, None)
         if released.reason:
             ranks = oom_ranks(ranks, released.reason)
@@ -232,6 +240,10 @@ class Launch:
         message = exit_message(ranks, succeeded=succeeded, started=self._started, stopped=self._stopped,
                                unstarted=self.backend.unstarted, first_process=self.backend.first_process,
                                returncode=self.backend.returncode, launcher_tail=tail)
+        left = [r for r in ranks if not r.returned]
+        if succeeded and left:  # an elastic launch that went on without some of its ranks
+            message = (f"{len(ranks) - len(left)} of {len(ranks)} ranks returned (elastic; left: "
+                       + "; ".join(describe_rank(r) for r in left) + ")")
         if released.reason and released.reason not in message:
             message = f"{released.reason}; {message}"
         return wire.LaunchStatus(state="exited", ranks=ranks, succeeded=succeeded,

@@ -16,6 +16,8 @@ the launch keeps torchrun's contract:
   return rule, as for a direct launch). As torchrun with ``--max-restarts 0``: when a rank
   fails (its script did not return), the other ranks get SIGTERM and SIGKILL after
   ``shutdown_timeout_s``; the launch ends when every rank ended, then the store host is killed.
+  An elastic job's launch (``elastic_min_workers``) leaves the peers of a failed rank running:
+  they go on without it (``torchrelay.train.elastic``).
   Each rank is its own session (process group), signalled as a group by ``signal``.
 - **Fallback**: where a fork cannot be used (``warm_refusal``: a program rather than Python, a
   different interpreter, a job that sets a start-up or threading variable differently from the
@@ -25,12 +27,17 @@ the launch keeps torchrun's contract:
   event of the job). A zygote that fails after some ranks were forked: those are killed and
   reaped first, so torchrun finds the port and the folders as they were.
 
+- **Finding the ranks**: a forked rank's ``/proc/PID/environ`` and command line are the
+  zygote's, so ``ranks.json`` in the run folder names each rank's pid (and the store's); a
+  rank's ``/proc/PID/cwd`` is the launch's ``code`` folder, next to it.
+
 Contract: ``WarmBackend(place, zygote)`` is a ``backends.LaunchBackend`` (``start`` does not
 block; ``poll``/``wait``/``signal``/``leftover_groups``). ``forked`` is true when the ranks were
 forked. ``warm_refusal`` and ``warm_rank_env`` are pure.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -51,6 +58,16 @@ from torchrelay.agent.zygote import Zygote, ZygoteError, refusal
 log = logging.getLogger(__name__)
 
 FRESH_VARIABLE = "RELAY_FRESH_INTERPRETER"  # a job's env: "1" asks for fresh interpreters (torchrun)
+
+
+def elastic_min_workers(env: Mapping[str, str]) -> int | None:
+    """``min_workers`` of the launch's elastic strategy (``RELAY_STRATEGY``), None when it is not
+    elastic (pure). An elastic launch's failed rank does not end its peers, who go on without it."""
+    try:
+        elastic = json.loads(env.get("RELAY_STRATEGY") or "{}").get("elastic")
+        return int(elastic["min_workers"]) if elastic else None
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return None
 
 
 def warm_refusal(target: WorkerTarget, env: Mapping[str, str], *, python: str, zygote_python: str,
@@ -104,10 +121,12 @@ class WarmBackend(LaunchBackend):
     first_process = "the workers"
     unstarted = "stopped before it started"
 
-    def __init__(self, place: LaunchPlace, zygote: Zygote, *, shutdown_timeout_s: float = 10.0):
+    def __init__(self, place: LaunchPlace, zygote: Zygote, *, shutdown_timeout_s: float = 10.0,
+                 stop_peers_on_failure: bool = True):
         super().__init__(place)
         self.zygote = zygote
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.stop_peers_on_failure = stop_peers_on_failure  # False for an elastic job: survivors go on
         self.target = target_of_entrypoint(place.assignment.entrypoint, place.python)
         first = place.assignment.rank_offset
         self.ranks = [_WarmRank(place, zygote, rank) for rank in range(first, first + place.assignment.nproc_per_node)]
@@ -143,9 +162,21 @@ class WarmBackend(LaunchBackend):
             rank.start(env, master_addr, master_port)
         self.pid = self.ranks[0].pid
         self.forked = True
+        self._write_ranks()
         self.note = f"{len(self.ranks)} ranks forked from the warm zygote (no torchrun)"
         threading.Thread(target=self._watch, name=f"relay-warm-{self.place.assignment.launch_id}",
                          daemon=True).start()
+
+    def _write_ranks(self) -> None:
+        """``ranks.json`` in the run folder: which pid is which rank. A forked rank's
+        ``/proc/PID/environ`` shows the zygote's start environment, not the job's, so tools that
+        find a job's processes by their environment (and people) look here."""
+        assignment = self.place.assignment
+        record = {"job_id": assignment.job_id, "attempt": assignment.attempt, "launch_id": assignment.launch_id,
+                  "ranks": {str(r.rank): r.pid for r in self.ranks}, "store": self.store_pid}
+        tmp = self.place.run_dir / "ranks.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.place.run_dir / "ranks.json")
 
     def _abandon(self) -> None:
         """Kill and reap whatever was forked before the zygote failed (the fallback starts clean)."""
@@ -177,7 +208,7 @@ class WarmBackend(LaunchBackend):
             while pending:
                 for rank in [r for r in pending if r.poll()]:
                     pending.remove(rank)
-                    if rank.failed() and stopping_since is None:
+                    if rank.failed() and self.stop_peers_on_failure and stopping_since is None:
                         stopping_since = time.monotonic()
                         for peer in pending:
                             peer.signal(signal.SIGTERM)
