@@ -1,6 +1,10 @@
 """Agent launch cost: one no-op job's launch through ``torchrelay.agent.launcher.Launch``,
 three ways side by side in one run: direct and forked from the zygote (what the agent does for
-a world of one), direct as a fresh process (``zygote=False``), and through torchrun (before).
+a world of one), direct as a fresh process (``zygote=False``), and through torchrun (before);
+and a 2-rank launch of a script that imports torch, every rank forked from the warm zygote
+(what the agent does for any other launch) against torchrun. ``noop_jobs_per_s`` is the rate
+of zygote-forked ``python -c pass`` launches back to back in this process (the agent's side of
+a job; through the server see ``bench/scheduler.py``).
 
 For each way, N launches of ``python -c pass`` (and of a hosted ``python noop.py``) one after
 the other in this process, as the agent runs them: ``start`` -> ``wait`` -> logs taken.
@@ -47,20 +51,23 @@ def _zygote_cpu(zygote: Zygote | None) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def run_launches(n: int, entrypoint: list[str], tmp: Path, *, direct: bool, zygote: Zygote | None = None) -> dict:
+def run_launches(n: int, entrypoint: list[str], tmp: Path, *, direct: bool, zygote: Zygote | None = None,
+                 nproc: int = 1, warm_zygote: Zygote | None = None) -> dict:
     code = tmp / "code"
     code.mkdir(exist_ok=True)
     (code / "noop.py").write_text("pass\n")
     walls, failed = [], 0
-    self_cpu0, child_cpu0, zygote_cpu0 = time.process_time(), _children_cpu(), _zygote_cpu(zygote)
+    cpu_of_zygotes = lambda: _zygote_cpu(zygote) + _zygote_cpu(warm_zygote)  # noqa: E731
+    self_cpu0, child_cpu0, zygote_cpu0 = time.process_time(), _children_cpu(), cpu_of_zygotes()
+    began = time.perf_counter()
     with _direct_as(direct):
         for i in range(n):
             assignment = wire.LaunchAssignment(
                 launch_id=f"bench-{os.getpid()}-{direct}-{i}-{time.monotonic_ns()}", job_id="bench", attempt=0,
-                desired="run", node_rank=0, nnodes=1, nproc_per_node=1, world_size=1, rank_offset=0,
+                desired="run", node_rank=0, nnodes=1, nproc_per_node=nproc, world_size=nproc, rank_offset=0,
                 entrypoint=entrypoint, bundle=None, store_url=str(tmp / "store"), job_store_prefix="jobs/bench")
             launch = Launch(assignment, code_dir=code, run_dir=tmp / assignment.launch_id,
-                            relay_address="http://127.0.0.1:9", zygote=zygote)
+                            relay_address="http://127.0.0.1:9", zygote=zygote, warm_zygote=warm_zygote)
             started = time.perf_counter()
             launch.start("127.0.0.1", pick_free_port())
             status = launch.wait(timeout=120)
@@ -69,10 +76,11 @@ def run_launches(n: int, entrypoint: list[str], tmp: Path, *, direct: bool, zygo
             if status is None or not status.succeeded:
                 failed += 1
                 launch.stop(grace_s=1)
+    elapsed = time.perf_counter() - began
     self_ms = (time.process_time() - self_cpu0) / n * 1e3
-    child_ms = (_children_cpu() - child_cpu0 + _zygote_cpu(zygote) - zygote_cpu0) / n * 1e3
+    child_ms = (_children_cpu() - child_cpu0 + cpu_of_zygotes() - zygote_cpu0) / n * 1e3
     return {"wall_s_median": statistics.median(walls), "agent_cpu_ms": self_ms, "children_cpu_ms": child_ms,
-            "failed": failed}
+            "failed": failed, "launches_per_s": n / elapsed}
 
 
 class _direct_as:
@@ -88,6 +96,26 @@ class _direct_as:
     def __exit__(self, *exc):
         if self.patch:
             self.patch.stop()
+
+
+def two_rank_rows(args: argparse.Namespace, tmp: Path) -> dict:
+    """A 2-rank launch of a hosted no-op script (``import torch`` and return), both ranks forked
+    from the warm zygote against torchrun, one after the other in this process."""
+    (tmp / "code").mkdir(exist_ok=True)
+    (tmp / "code" / "torch_noop.py").write_text("import torch\n")
+    warm = Zygote(env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}, preload=("torch",))
+    rows = {}
+    try:
+        run_launches(1, ["python", "torch_noop.py"], tmp, direct=True, nproc=2, warm_zygote=warm)  # warm it up
+        for way, n, zyg in (("warm", args.launches, warm), ("torchrun", args.torchrun_launches, None)):
+            row = run_launches(n, ["python", "torch_noop.py"], tmp, direct=True, nproc=2, warm_zygote=zyg)
+            rows[way] = row
+            print(f"{'2 ranks, import torch':24s} {way:8s} x{n:<3d} start->exit median "
+                  f"{row['wall_s_median'] * 1e3:7.1f} ms; CPU per launch: agent {row['agent_cpu_ms']:6.1f} ms, "
+                  f"workers {row['children_cpu_ms']:7.1f} ms; failed {row['failed']}", flush=True)
+    finally:
+        warm.close()
+    return rows
 
 
 def main() -> None:
@@ -113,6 +141,7 @@ def main() -> None:
                           f"CPU per launch: agent {row['agent_cpu_ms']:6.1f} ms, "
                           f"workers {row['children_cpu_ms']:7.1f} ms; "
                           f"failed {row['failed']}")
+            ranks2 = two_rank_rows(args, Path(tmp))
     finally:
         zygote.close()
     load = os.getloadavg()
@@ -128,6 +157,10 @@ def main() -> None:
         "zygote_agent_cpu_ms": round(c["zygote"]["agent_cpu_ms"], 1),
         "wall_ms_median": {way: round(r["wall_s_median"] * 1e3, 1) for way, r in c.items()},
         "hosted_script_cpu_ms": {way: round(total(rows[("python noop.py", way)]), 1) for way in c},
+        "noop_jobs_per_s": round(c["zygote"]["launches_per_s"], 1),
+        "two_rank_cpu_ms": {way: round(total(r), 1) for way, r in ranks2.items()},
+        "two_rank_wall_ms_median": {way: round(r["wall_s_median"] * 1e3, 1) for way, r in ranks2.items()},
+        "two_rank_cpu_ratio_torchrun_over_warm": round(total(ranks2["torchrun"]) / total(ranks2["warm"]), 1),
         "loadavg_1m": round(load[0], 2),
     }
     print(result_line(result, versions))

@@ -15,7 +15,10 @@ allocator. The bench prints both and names the settings the sides differ in
 
 Rows: per repetition and pooled, the median step time (``step_time_s`` reported by rank 0),
 and the time from launch (raw) or submit (job, bundle upload included) to the first finished
-step. Ends with ``RESULT {"step_time_ratio": job/raw, "start_overhead_s": job - raw, ...}``.
+step. Ends with ``RESULT {"step_time_ratio": job/raw, "start_overhead_s": job - raw,
+"warm_start_vs_torchrun": job/raw of the time to the first step, ...}``: the job's ranks are
+forked from the agent's warm zygote (the settings probe and the warm-up job warmed it), the
+raw side is torchrun starting fresh interpreters.
 
     .venv/bin/python bench/overhead.py [--reps 3] [--epochs 2]
 """
@@ -179,10 +182,12 @@ def main() -> None:
     print(f"{'median step time (ms)':24}{raw_med * 1e3:14.3f}{job_med * 1e3:16.3f}{job_med / raw_med:14.3f}")
     rs, js = statistics.median(sides["raw"][0]), statistics.median(sides["job"][0])
     print(f"{'to first step (s)':24}{rs:14.3f}{js:16.3f}{js - rs:+14.3f}")
+    print(f"{'first step, job / raw':24}{'':14}{'':16}{js / rs:14.3f}  (warm launch: ranks forked, no torchrun)")
     per_rep = [j / r for r, j in zip(sides["raw"][1], sides["job"][1])]
     print(f"steps measured: raw {len(steps['raw'])}, job {len(steps['job'])}; reps {args.reps}; "
           f"per-rep ratios {', '.join(f'{x:.3f}' for x in per_rep)}; load average {os.getloadavg()[0]:.2f}")
     print(result_line({"step_time_ratio": round(job_med / raw_med, 4), "start_overhead_s": round(js - rs, 3),
+                       "warm_start_vs_torchrun": round(js / rs, 3),
                        "step_time_ratio_per_rep": [round(x, 4) for x in per_rep], "settings_differ": differ},
                       versions))
 

@@ -41,13 +41,17 @@ Contract:
   refuses to fork once a CUDA context exists in it (the child could not use CUDA); it never
   makes one, since it runs no job code. After the fork the child reseeds what a fresh
   interpreter seeds from entropy (torch's default CPU generator and numpy's global one, if
-  loaded; ``random`` reseeds itself), so no two workers share a random stream.
+  loaded; ``random`` reseeds itself), so no two workers share a random stream. The zygote
+  freezes what it imported (``gc.freeze``) before it serves: a worker's collections skip those
+  objects instead of copying every page that holds one (``gc.get_freeze_count()`` is the one
+  trace of it a worker can see).
 - ``Zygote.spawn_store(host, port, stdout=, stderr=)`` forks a process that hosts a
   ``TCPStore`` on ``host:port`` (what torchrun's agent hosts for its workers) until it is
   killed; it needs a zygote that preloaded torch.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -427,5 +431,9 @@ def _preload(modules: list[str]) -> None:
 
 if __name__ == "__main__":
     _preload(sys.argv[2:])
+    # Everything imported so far goes to the collector's permanent generation: a forked worker's
+    # collections (the exit hook's gc.collect() among them) then never walk torch's objects,
+    # which would write to every page that holds one and copy it (Python's gc.freeze docs).
+    gc.freeze()
     serve(int(sys.argv[1]))
     os._exit(0)
