@@ -6,7 +6,8 @@ import pytest
 from torchrelay import wire
 from torchrelay.agent.commands import build_rank_env
 from torchrelay.agent.target import target_of_entrypoint
-from torchrelay.agent.warm import warm_rank_env, warm_refusal
+from torchrelay.agent.launcher import elastic_survived
+from torchrelay.agent.warm import elastic_min_workers, warm_rank_env, warm_refusal
 from torchrelay.agent.zygote import refusal, startup_environment
 
 ZYGOTE_ENV = {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
@@ -50,3 +51,22 @@ def test_a_rank_gets_torchruns_variables_with_the_agent_store():
     plain = build_rank_env(assignment(), master_addr="10.0.0.1", master_port=29500, rank=3)
     assert env == {**plain, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_ERROR_FILE": "/r/e.json"}
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == ("3", "1", "1", "4")
+
+
+@pytest.mark.parametrize("strategy, min_workers", [
+    (None, None), ("not json", None), ('["x"]', None), ('{"kind": "ddp"}', None),
+    ('{"kind": "ddp", "elastic": null}', None),
+    ('{"kind": "ddp", "elastic": {"min_workers": 2, "max_workers": 3}}', 2),
+])
+def test_elastic_min_workers(strategy, min_workers):
+    assert elastic_min_workers({} if strategy is None else {"RELAY_STRATEGY": strategy}) == min_workers
+
+
+def test_an_elastic_launch_succeeds_with_min_workers_returned():
+    def ranks(*returned):
+        return [wire.RankExit(rank=i, exit_code=0 if r else None, signal=None if r else 9, returned=r)
+                for i, r in enumerate(returned)]
+
+    assert elastic_survived(ranks(True, True, False), 2) is True
+    assert elastic_survived(ranks(True, False, False), 2) is False
+    assert elastic_survived(ranks(True, True, False), None) is False  # not elastic: every rank must return
