@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[test,examples,s3,postgres,tensorboard,hdfs,channels]'
+	$(BIN)/pip install -q -e '.[test,examples,s3,postgres,tensorboard,hdfs,channels,peers]'
 	touch $(STAMP)
 
 demo: $(STAMP)

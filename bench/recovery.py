@@ -10,6 +10,9 @@ SIGKILLed (by pid: ``tests/chaos.py``). Elastic: one 3-worker job of
 ``tests/jobs/elastic/train.py`` (``elastic: {min_workers: 2, max_workers: 3}``), member 2
 SIGKILLed at its 4th step; recovery is the kill -> the survivors' first step in the new
 membership, steps lost are the steps they had completed minus the step they went on from.
+The peer for the elastic figure is torchft (``bench/_torchft_worker.py``: the same model,
+data, workers and pace through torchft's Manager on gloo, its lighthouse in this process),
+killed and measured the same way.
 Per restart kill:
 
 - recovery_s: the kill → the first step the next attempt trained after resuming (its
@@ -36,6 +39,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -161,6 +165,55 @@ def elastic_kill(c: RelayClient, scratch: Path) -> dict:
     return row
 
 
+def torchft_kill(scratch: Path) -> dict | None:
+    """The peer: the same model, data, 3 workers and step pace through torchft (its lighthouse
+    in this process, one replica group of one worker each, gloo); replica 2 SIGKILLed at its
+    4th committed step; the survivors' first step committed without it. None when torchft is
+    not installed (``make venv`` installs it)."""
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError as exc:
+        print(f"torchft: not measured ({exc}); pip install torchft==0.2.0", flush=True)
+        return None
+    out = scratch / "torchft-out"
+    out.mkdir()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    env = {**os.environ, "OUT": str(out), "TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1",
+           "RUST_LOG": "warn"}
+    log = open(out / "workers.log", "ab")
+    procs = [subprocess.Popen([sys.executable, str(REPO / "bench" / "_torchft_worker.py"), str(i), "3", "48", "0.1"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             for i in range(3)]
+
+    def lines(member: int) -> list[dict]:
+        path = out / f"member-{member}.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    try:
+        chaos.wait_until(lambda: len(lines(2)) >= 4, 180, "torchft replica 2's 4th step")
+        killed_at = time.time()
+        done_before = max(x["step"] for m in (0, 1) for x in lines(m) if x["time"] < killed_at) + 1
+        chaos.kill(procs[2].pid, signal.SIGKILL)
+        for proc in procs[:2]:
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.close()
+        lighthouse.shutdown()
+    after = [x for m in (0, 1) for x in lines(m) if x["time"] > killed_at and x["participants"] == 2]
+    first = min(after, key=lambda x: x["time"])
+    row = {"recovery_s": first["time"] - killed_at, "steps_lost": done_before - first["step"],
+           "restarted_survivors": sum(len({x["pid"] for x in lines(m)}) > 1 for m in (0, 1))}
+    print(f"torchft kill: survivors' first step without replica 2 {row['recovery_s']:.3f} s after the kill, "
+          f"step {first['step']} with {done_before} done before it (lost {row['steps_lost']})", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=3)
@@ -168,7 +221,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.1, help="seconds per step beyond the compute")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill steps")
     args = ap.parse_args()
-    versions = package_versions(SERVER_PACKAGES)
+    versions = package_versions((*SERVER_PACKAGES, "torchft"))  # torchft: the elastic figure's peer
     print(header_line(versions), flush=True)
     rng = random.Random(args.seed)
     home = Path(tempfile.mkdtemp(prefix="relay-bench-recovery-"))
@@ -181,12 +234,14 @@ def main() -> None:
             elastic = elastic_kill(c, home)
     finally:
         stop_cluster(home)
+    peer = torchft_kill(home)
     med = {side: statistics.median(r["recovery_s"] for r in rows) for side, (rows, _) in sides.items()}
-    print(f"{'':34}{'torchrun':>10}{'warm':>10}{'elastic':>10}")
+    ft = (f"{peer['recovery_s']:>10.3f}", f"{peer['steps_lost']:>10}") if peer else (f"{'-':>10}", f"{'-':>10}")
+    print(f"{'':34}{'torchrun':>10}{'warm':>10}{'elastic':>10}{'torchft':>10}")
     print(f"{'kill -> first resumed step (s)':34}{med['torchrun']:>10.2f}{med['warm']:>10.2f}"
-          f"{elastic['recovery_s']:>10.3f}")
+          f"{elastic['recovery_s']:>10.3f}{ft[0]}")
     print(f"{'steps lost (max)':34}{max(r['steps_lost'] for r in sides['torchrun'][0]):>10}"
-          f"{max(r['steps_lost'] for r in sides['warm'][0]):>10}{elastic['steps_lost']:>10}")
+          f"{max(r['steps_lost'] for r in sides['warm'][0]):>10}{elastic['steps_lost']:>10}{ft[1]}")
     print(f"{'cold start, submit -> step (s)':34}{sides['torchrun'][1]:>10.2f}{sides['warm'][1]:>10.2f}")
     for key, label in (("restarting", "kill -> RESTARTING (s)"), ("launched", "kill -> attempt running (s)"),
                        ("restored", "kill -> checkpoint loaded (s)")):
@@ -195,6 +250,9 @@ def main() -> None:
     result = {"recovery_warm_s": round(med["warm"], 3), "recovery_torchrun_s": round(med["torchrun"], 3),
               "recovery_elastic_s": round(elastic["recovery_s"], 3), "elastic_steps_lost": elastic["steps_lost"],
               "elastic_restarted_survivors": elastic["restarted_survivors"],
+              "recovery_torchft_s": round(peer["recovery_s"], 3) if peer else None,
+              "torchft_steps_lost": peer["steps_lost"] if peer else None,
+              "elastic_over_torchft": round(elastic["recovery_s"] / peer["recovery_s"], 3) if peer else None,
               "warm_over_torchrun": round(med["warm"] / med["torchrun"], 3),
               "steps_lost_max": max(r["steps_lost"] for rows, _ in sides.values() for r in rows),
               "checkpoint_interval": args.interval,
