@@ -84,7 +84,7 @@ def restart_kills(c: RelayClient, args: argparse.Namespace, rng: random.Random, 
     """``args.kills`` kills of rank 1 of one job (each restarts it from its checkpoint); the
     rows and the cold start (submit -> first step). ``fresh``: the job asks for fresh
     interpreters (torchrun, as before warm launches)."""
-    epochs = 2 + args.kills  # enough steps for every kill to land mid-run
+    epochs = 4 * (args.kills + 1)  # every kill lands mid-run, also when restarts take a second
     spec = JobSpec.parse({"name": "recovery", "entrypoint": f"python trainer.py --sleep {args.sleep} "
                           f"--epochs {epochs}", "workers": 2, "resources": {"cpu": 1},
                           "checkpoint": {"every_steps": args.interval, "keep": 2},
@@ -106,7 +106,8 @@ def restart_kills(c: RelayClient, args: argparse.Namespace, rng: random.Random, 
                          f"step {target} of attempt {attempt}")
         pid = chaos.worker_pids(job.id, rank=1, attempt=attempt)[1]
         killed_at = time.time()
-        chaos.kill(pid, signal.SIGKILL)
+        if not chaos.kill(pid, signal.SIGKILL):
+            raise SystemExit(f"rank 1 of attempt {attempt} (pid {pid}) was gone before the kill; give more --epochs")
         nxt = chaos.wait_until(lambda: [p for p in of_attempt(points(c, job.id), attempt + 1)
                                         if "loss" in p.values], 180, f"attempt {attempt + 1} training")
         rows.append(_restart_row(c, job.id, attempt, killed_at, nxt))
