@@ -1,5 +1,5 @@
 """One torchft replica group of one worker for ``bench/recovery.py``'s peer figure: the same
-model, data and global batch as ``tests/jobs/elastic/train.py``, trained through torchft's
+model, data and global batch as ``tests/jobs/elastic/train.py`` (its ``problem.py``), trained through torchft's
 Manager (gloo, its lighthouse at ``TORCHFT_LIGHTHOUSE``), each committed step logged with its
 time to ``$OUT/member-<id>.jsonl``. Not a test and not part of torchrelay.
 
@@ -15,14 +15,11 @@ import torch
 import torch.distributed as dist
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "jobs", "elastic"))
+from problem import GLOBAL_BATCH, SAMPLES, make_problem  # noqa: E402  (the elastic job's own problem)
+
 replica, replicas, steps, step_sleep = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-SAMPLES, GLOBAL_BATCH = 96, 12
-data = torch.Generator().manual_seed(7)
-X = torch.randn(SAMPLES, 6, generator=data)
-Y = X @ torch.randn(6, 1, generator=data) + 0.1 * torch.randn(SAMPLES, 1, generator=data)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+X, Y, model, inner = make_problem()
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's own
 manager = Manager(
     pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=10)), min_replica_size=2,

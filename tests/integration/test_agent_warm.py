@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import group_members
 from torchrelay import wire
 from torchrelay.agent.backends import BackendKind
 from torchrelay.agent.launcher import Launch, pick_free_port
@@ -168,14 +169,6 @@ def warm_zygote():
     zygote.close()
 
 
-def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_each_rank_gets_the_environment_torchrun_gives_it(tmp_path, warm_zygote, launches):
     runs = {}
     for how in ("torchrun", "warm"):
@@ -251,7 +244,7 @@ def test_stop_ends_every_rank_and_the_store(tmp_path, warm_zygote, launches):
     status = launch.stop(grace_s=5)
     assert status.stopped and not status.succeeded
     assert {r.signal for r in status.ranks} == {signal.SIGTERM}
-    assert all(group_gone(pgid) for pgid in groups)
+    assert all(group_members(pgid) == [] for pgid in groups)
 
 
 def probe(tmp_path: Path, zygote: Zygote, name: str, launches: list) -> list[dict]:

@@ -17,9 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from problem import GLOBAL_BATCH, SAMPLES, make_problem
+
 from torchrelay.train.elastic import ElasticGroup
 
-SAMPLES, GLOBAL_BATCH = 96, 12
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 parser = argparse.ArgumentParser()
@@ -31,13 +32,7 @@ parser.add_argument("--join", type=int, default=None)
 parser.add_argument("--hold-at", type=int, default=-1, help="before this step, wait until a joiner registered")
 args = parser.parse_args()
 out = os.environ["OUT"]
-
-data = torch.Generator().manual_seed(7)
-X = torch.randn(SAMPLES, 6, generator=data)
-Y = X @ torch.randn(6, 1, generator=data) + 0.1 * torch.randn(SAMPLES, 1, generator=data)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+X, Y, model, opt = make_problem()
 
 
 def order(epoch):
