@@ -226,6 +226,7 @@ def main() -> None:
     print(header_line(versions), flush=True)
     rng = random.Random(args.seed)
     home = Path(tempfile.mkdtemp(prefix="relay-bench-recovery-"))
+    os.environ["RELAY_HOME"] = str(home)  # chaos finds this cluster's processes only (every cluster has a job-2)
     cluster = start_cluster(1, home=home)
     sides = {}
     try:

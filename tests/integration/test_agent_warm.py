@@ -21,24 +21,16 @@ from torchrelay.agent.zygote import Zygote
 
 pytestmark = pytest.mark.timeout(240)
 
-ENV_DUMP = """
-import json, os
-import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.barrier()
-with open(os.path.join(os.environ["OUT"], f"env-{os.environ['RANK']}.json"), "w") as fh:
-    json.dump(dict(os.environ), fh)
-dist.destroy_process_group()
-"""
-
 DDP = """
-import os, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+with open(os.path.join(os.environ["OUT"], f"env-{rank}.json"), "w") as fh:
+    json.dump(dict(os.environ), fh)
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -50,7 +42,7 @@ for step in range(6):
     torch.nn.functional.mse_loss(model(xs), ys).backward()
     opt.step()
 if rank == 0:
-    torch.save(model.module.state_dict(), os.path.join(os.environ["OUT"], sys.argv[1]))
+    torch.save(model.module.state_dict(), os.path.join(os.environ["OUT"], "params.pt"))
 """
 
 # What a new user types for torchrun, untouched: a __main__ guard, argparse, @record, a
@@ -169,15 +161,19 @@ def warm_zygote():
     zygote.close()
 
 
-def test_each_rank_gets_the_environment_torchrun_gives_it(tmp_path, warm_zygote, launches):
+def test_a_warm_launch_gives_torchruns_environment_and_trains_the_same_parameters(tmp_path, warm_zygote,
+                                                                                   launches):
+    import torch
+
     runs = {}
     for how in ("torchrun", "warm"):
-        launch = make_launch(tmp_path / how, "envdump", ENV_DUMP, zygote=warm_zygote,
+        launch = make_launch(tmp_path / how, "ddp", DDP, zygote=warm_zygote,
                              backend=BackendKind.TORCHRUN if how == "torchrun" else None)
         status = run(launch, launches)
         assert status.succeeded, status
         assert launch.forked is (how == "warm")
         runs[how] = launch
+    assert (runs["warm"].run_dir / "launch.log").read_text().count("forked by the warm zygote") == 2
     for rank in (0, 1):
         envs = {}
         for how, launch in runs.items():
@@ -190,20 +186,8 @@ def test_each_rank_gets_the_environment_torchrun_gives_it(tmp_path, warm_zygote,
         assert differ == {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}, {k: (torchrun[k], warm[k]) for k in differ}
         assert warm["TORCHELASTIC_USE_AGENT_STORE"] == "True" and warm["RANK"] == str(rank)
         assert warm["TORCHELASTIC_ERROR_FILE"] == f"RUN/errors/rank-{rank}.json"
-
-
-def test_ddp_trains_the_same_parameters_as_under_torchrun(tmp_path, warm_zygote, launches):
-    import torch
-
-    for how in ("torchrun", "warm"):
-        launch = make_launch(tmp_path, "ddp", DDP, f"{how}.pt", zygote=warm_zygote,
-                             backend=BackendKind.TORCHRUN if how == "torchrun" else None)
-        status = run(launch, launches)
-        assert status.succeeded, status
-        assert launch.kind is (BackendKind.TORCHRUN if how == "torchrun" else BackendKind.WARM)
-    assert launch.forked and (launch.run_dir / "launch.log").read_text().count("forked by the warm zygote") == 2
-    ours = torch.load(tmp_path / "out" / "warm.pt")
-    theirs = torch.load(tmp_path / "out" / "torchrun.pt")
+    ours = torch.load(tmp_path / "warm" / "out" / "params.pt")
+    theirs = torch.load(tmp_path / "torchrun" / "out" / "params.pt")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -276,8 +260,11 @@ def test_the_zygote_keeps_nothing_of_an_earlier_job(tmp_path, launches):
     assert len({json.dumps(n) for n in numbers}) == len(numbers), "a random stream repeats across ranks or jobs"
 
 
+PLAIN = "import os\nprint('ok rank', os.environ['RANK'], flush=True)\n"  # torchrun alone imports torch
+
+
 def test_a_job_that_asks_for_fresh_interpreters_goes_through_torchrun(tmp_path, warm_zygote, launches):
-    launch = make_launch(tmp_path, "user", USER, zygote=warm_zygote, env={"RELAY_FRESH_INTERPRETER": "1"})
+    launch = make_launch(tmp_path, "plain", PLAIN, zygote=warm_zygote, env={"RELAY_FRESH_INTERPRETER": "1"})
     status = run(launch, launches)
     assert status.succeeded, status
     assert launch.kind is BackendKind.WARM and launch.forked is False
@@ -288,10 +275,10 @@ def test_a_job_that_asks_for_fresh_interpreters_goes_through_torchrun(tmp_path, 
 def test_a_zygote_that_cannot_fork_falls_back_to_torchrun(tmp_path, launches):
     broken = Zygote(env=warm_env(), preload=("torch", "no_such_module_for_the_zygote"))
     try:
-        launch = make_launch(tmp_path, "user", USER, zygote=broken)
+        launch = make_launch(tmp_path, "plain", PLAIN, zygote=broken)
         status = run(launch, launches)
     finally:
         broken.close()
     assert status.succeeded, status
     assert launch.forked is False and launch.note.startswith("started through torchrun: the warm zygote could not")
-    assert sorted(r.last_lines[-1] for r in status.ranks)[0].startswith("ok rank 0")
+    assert sorted(r.last_lines[-1] for r in status.ranks) == ["ok rank 0", "ok rank 1"]
