@@ -272,6 +272,7 @@ def test_a_job_that_asks_for_fresh_interpreters_goes_through_torchrun(tmp_path, 
     assert "not forked warm" in (launch.run_dir / "torchrun.log").read_text()
 
 
+@pytest.mark.slow  # torchrun's own start-up, ~20 s on 2 loaded cores; the other fallback runs in make test
 def test_a_zygote_that_cannot_fork_falls_back_to_torchrun(tmp_path, launches):
     broken = Zygote(env=warm_env(), preload=("torch", "no_such_module_for_the_zygote"))
     try:

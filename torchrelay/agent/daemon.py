@@ -78,6 +78,11 @@ from torchrelay.agent.runner import LaunchFactory, LaunchHandle, LaunchRunner, R
 from torchrelay.agent.server_link import HttpServerLink, NodeUnknown, ServerLink, ServerRefused, ServerUnreachable
 from torchrelay.agent.zygote import Zygote
 
+# What the warm zygote imports before it forks ranks: torch, and the platform's training library
+# (its import, torch.distributed.checkpoint with it, costs seconds of CPU per rank otherwise).
+# Neither reads the environment nor starts a thread when imported.
+WARM_PRELOAD = ("torch", "torchrelay.train", "torchrelay.train.elastic")
+
 log = logging.getLogger(__name__)
 
 MAX_RECORDS_PER_POST = 2000
@@ -127,10 +132,12 @@ class Agent:
             zygote = os.environ.get("RELAY_AGENT_ZYGOTE", "1") != "0"
         self.zygote = Zygote(env={**os.environ, "PYTHONUNBUFFERED": "1"},
                              log_path=str(self.work_dir / "zygote.log")) if zygote else None
-        # the warm zygote (torch imported) forks the ranks of multi-rank launches; started with
-        # the first one. Its environment is what a launch's would be (OMP_NUM_THREADS=1 unless set).
+        # the warm zygote (torch and torchrelay.train imported) forks the ranks of multi-rank
+        # launches; started with the first one. Its environment is what a launch's would be
+        # (OMP_NUM_THREADS=1 unless set).
         self.warm_zygote = Zygote(env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
-                                  log_path=str(self.work_dir / "warm-zygote.log"), preload=("torch",)) if zygote else None
+                                  log_path=str(self.work_dir / "warm-zygote.log"),
+                                  preload=WARM_PRELOAD) if zygote else None
         self.server: ServerLink = server or HttpServerLink(self.address, long_poll_s=heartbeat_wait_s)
         self.outbox = Outbox()
         self.gpu_slots = GpuSlots(self.gpus)  # which device indices each launch holds
