@@ -70,3 +70,10 @@ def test_an_elastic_launch_succeeds_with_min_workers_returned():
     assert elastic_survived(ranks(True, True, False), 2) is True
     assert elastic_survived(ranks(True, False, False), 2) is False
     assert elastic_survived(ranks(True, True, False), None) is False  # not elastic: every rank must return
+
+
+def test_a_compiler_setting_read_at_import_sends_the_job_to_torchrun():
+    target = target_of_entrypoint(["python", "train.py"], "/py")
+    env = {**ZYGOTE_ENV, "TORCHINDUCTOR_CACHE_DIR": "/scratch/inductor"}
+    why = warm_refusal(target, env, python="/py", zygote_python="/py", zygote_env=ZYGOTE_ENV)
+    assert why is not None and "TORCHINDUCTOR_CACHE_DIR" in why

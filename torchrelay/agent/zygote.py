@@ -36,8 +36,11 @@ Contract:
 - ``Zygote(preload=("torch",))`` is a *warm* zygote (the agent's for multi-rank launches, see
   ``torchrelay.agent.warm``): it imports those modules once before it serves, so a forked rank
   skips ``import torch`` (about 1.5 s of CPU). Because the libraries it loaded read their
-  threading variables when loaded, ``eligible`` then also requires ``OMP_*``, ``MKL_*``,
-  ``OPENBLAS_*``, ``KMP_*`` and ``GOMP_*`` to equal the zygote's (``THREAD_PREFIXES``). It
+  threading and compiler variables when loaded, ``refusal`` then also requires ``OMP_*``,
+  ``MKL_*``, ``OPENBLAS_*``, ``KMP_*``, ``GOMP_*``, ``TORCHDYNAMO_*``, ``TORCHINDUCTOR_*``,
+  ``TORCH_COMPILE*``, ``TORCH_LOGS`` and ``TORCH_CPP_LOG_LEVEL`` to equal the zygote's
+  (``THREAD_PREFIXES``). Besides torch it imports ``torch.distributed``, ``torch.nn.parallel``
+  and ``torch._dynamo`` (which the first optimizer a script makes imports: seconds of CPU). It
   refuses to fork once a CUDA context exists in it (the child could not use CUDA); it never
   makes one, since it runs no job code. After the fork the child reseeds what a fresh
   interpreter seeds from entropy (torch's default CPU generator and numpy's global one, if
@@ -67,7 +70,9 @@ from torchrelay.agent.target import TargetKind, WorkerTarget
 
 MAX_MESSAGE = 256 * 1024  # one request: an environment and a command line
 STARTUP_VARIABLES = ("LANG", "TZ")  # besides PYTHON* and LC_*: read when the interpreter starts
-THREAD_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_")  # read when torch/numpy load
+# read when torch, numpy and torch._dynamo/_inductor load (a warm zygote loaded them already)
+THREAD_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCHDYNAMO_", "TORCHINDUCTOR_",
+                   "TORCH_COMPILE", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL")
 STORE_KIND = "store"  # the request kind of a TCPStore host (see ``spawn_store``)
 
 
@@ -427,6 +432,7 @@ def _preload(modules: list[str]) -> None:
     if "torch" in modules:  # what a DDP script imports next; none of these starts a thread
         importlib.import_module("torch.distributed")
         importlib.import_module("torch.nn.parallel")
+        importlib.import_module("torch._dynamo")  # the first optimizer a script makes imports it: seconds
 
 
 if __name__ == "__main__":
