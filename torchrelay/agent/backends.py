@@ -85,9 +85,25 @@ class LaunchPlace:
 
     def join(self, pid: int) -> None:
         """Put a process started some other way (forked) into the launch's cgroup. Raises
-        ``cgroups.CgroupError``."""
-        if self.cgroup is not None:
+        ``cgroups.CgroupError``, except for a process that already ended (a forked ``python -c
+        pass`` can end before it is moved: a zombie cannot join, and nothing of it is left to
+        limit; its parent reports how it ended)."""
+        if self.cgroup is None:
+            return
+        try:
             self.cgroup.add(pid)
+        except CgroupError:
+            if _running(pid):
+                raise
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class LaunchBackend(abc.ABC):
