@@ -146,10 +146,12 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 SCREENSHOTS = REPO / "out" / "screenshots"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_context(tmp_path_factory):
-    """One headless Chromium (Debian's) for the whole session, driven by Playwright, with a
-    fresh profile; tests open their own pages in it. Skips, saying why, without either."""
+    """One headless Chromium (Debian's) per test module, driven by Playwright, with a fresh
+    profile; tests open their own pages in it. Skips, saying why, without either. Not per session:
+    Playwright's sync API keeps an asyncio loop running in the main thread while it lives, and a
+    later test's ``asyncio.run`` then refuses to start."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (Debian's chromium package; `make services` installs it)")

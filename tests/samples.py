@@ -1,6 +1,7 @@
 """What a run trained on, from the records of tests/jobs/storage/stream_trainer.py (for the tests)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import chaos
@@ -17,13 +18,14 @@ def stream_job(data_url: str, records: Path) -> JobSpec:
                           "checkpoint": {"every_steps": 5, "keep": 2, "async": True}})
 
 
-def kill_rank_1_mid_second_epoch(c, job_id: str, checkpoints: CheckpointStore) -> dict[int, dict[str, str]]:
+def kill_rank_1_mid_second_epoch(c, job_id: str, checkpoints: CheckpointStore,
+                                 records: Path) -> dict[int, dict[str, str]]:
     """Once a checkpoint of the second epoch is committed, SIGKILL rank 1 of attempt 1; returns the
-    environment each rank ran with (read before the kill)."""
+    environment each rank of attempt 1 ran with (as stream_trainer.py wrote it to ``records``)."""
     chaos.wait_until(lambda: any(STEPS_PER_EPOCH < step and done for step, done in checkpoints.folders().items()),
                      120, "a checkpoint committed in the second epoch")
     workers = chaos.worker_pids(job_id, attempt=1)
-    environments = {rank: chaos._environ(pid) for rank, pid in workers.items()}
+    environments = {rank: json.loads((records / f"env-a1-rank-{rank}.json").read_text()) for rank in workers}
     assert chaos.kill(workers[1])
     return environments
 

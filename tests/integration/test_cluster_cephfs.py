@@ -48,7 +48,7 @@ def test_a_job_trains_checkpoints_and_restarts_on_cephfs(cephfs, cluster_factory
     store = ArtifactStore(str(base / "store"))
     with RelayClient(cluster.address) as c:
         job = c.submit(stream_job(str(base / "data"), records), base_dir=JOBS / "storage")
-        kill_rank_1_mid_second_epoch(c, job.id, CheckpointStore(store, job.id))
+        kill_rank_1_mid_second_epoch(c, job.id, CheckpointStore(store, job.id), records)
         final = c.wait(job.id, timeout=180)
         assert final.state == JobState.SUCCEEDED, final
         assert final.restarts == 1

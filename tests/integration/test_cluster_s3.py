@@ -84,7 +84,7 @@ def test_a_job_on_s3_streams_checkpoints_restarts_downloads_and_keeps_secrets(s3
     cluster = cluster_factory(1, server_config=config, agent_env=agent_env)
     with RelayClient(cluster.address) as c:
         job = c.submit(stream_job(f"{url}/data/ids", records), base_dir=JOBS / "storage")
-        environments = kill_rank_1_mid_second_epoch(c, job.id, CheckpointStore(store, job.id))
+        environments = kill_rank_1_mid_second_epoch(c, job.id, CheckpointStore(store, job.id), records)
         final = c.wait(job.id, timeout=180)
         assert final.state == JobState.SUCCEEDED, describe(c, job.id)
         assert final.restarts == 1

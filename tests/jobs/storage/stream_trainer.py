@@ -10,6 +10,7 @@ resumed from, then the next attempt's. Checkpoints follow the job's policy throu
 Rank 0 saves ``model.pt``.
 """
 import argparse
+import json
 import os
 import time
 
@@ -28,6 +29,10 @@ args = parser.parse_args()
 
 def main() -> None:
     ctx = rt.init()
+    # the environment this rank runs with, for the test to check (a rank forked warm by the agent
+    # has its variables set in-process: /proc/PID/environ shows its zygote's, not these)
+    with open(os.path.join(args.records, f"env-a{ctx.attempt}-rank-{ctx.rank}.json"), "w") as fh:
+        json.dump(dict(os.environ), fh)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     model, optimizer = rt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
