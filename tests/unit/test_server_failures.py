@@ -37,6 +37,14 @@ LOST = dict(infra=True, message="node node0 lost (no heartbeat for 3 s)")
     # a root cause beats a torn-down rank of a lower node
     ([failed(0, [{"rank": 0, "exit_code": 1}, {"rank": 1, "exit_code": 1}]), failed(1, [{"rank": 2, "exit_code": 9}])],
      "rank 0 exited with code 1", 0, "node0"),
+    # mpirun tore node 0's ranks down because rank 3 exited on node 1, whose launch the server had
+    # already stopped when its report arrived: the rank that failed by itself is still blamed
+    ([failed(0, [{"rank": 1, "signal": 15}, {"rank": 0, "signal": 15}]),
+      failed(1, [{"rank": 3, "exit_code": 3}, {"rank": 2, "signal": 15}], stopped=True)],
+     "rank 3 exited with code 3", 3, "node1"),
+    # a fault (SIGSEGV) is a failure of its own, not a teardown
+    ([failed(0, [{"rank": 0, "signal": 15}]), failed(1, [{"rank": 2, "signal": 11}])],
+     "rank 2 was killed by SIGSEGV", 2, "node1"),
     ([failed(0, [{"rank": 0, "signal": 200}])], "rank 0 was killed by signal 200", 0, "node0"),
     # a rank that never ran: the launch's message says why
     ([failed(0, [{"rank": 0}], message="torchrun exited with 1: RendezvousTimeoutError")],

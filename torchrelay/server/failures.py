@@ -61,32 +61,39 @@ def outside_the_job(failed: Sequence[LaunchView]) -> bool:
 
 
 def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
-    """The failing rank that explains the attempt: one that did not return and was not killed
-    because a peer failed, else the first one that did not return. ``failed`` is not empty."""
+    """The failing rank that explains the attempt: one that ended by itself (an exit code or a
+    fault) rather than torn down by SIGTERM/SIGINT/SIGHUP, in a launch the server did not stop,
+    first to die in its launch, on the lowest node; else the first one that did not return.
+    ``failed`` is not empty."""
     # The agent lists a launch's failed ranks earliest death first, so a launch's first
     # failed rank is its root cause and the ones after it were torn down because of it.
     # A launch the server stopped (because a peer failed) only explains the attempt when
-    # nothing else does.
-    candidates: list[tuple[int, int, LaunchView, RankExit]] = []
+    # nothing else does. A rank a launcher tore down (mpirun and torchrun end a world with
+    # SIGTERM when one rank fails) ranks below a rank that failed by itself on another node,
+    # even when that node's launch was stopped by the time its report arrived.
+    candidates: list[tuple[tuple[bool, bool, bool, int], LaunchView, RankExit]] = []
     for launch in failed:
         failed_ranks = [r for r in (RankExit.model_validate(d) for d in launch.ranks) if not r.returned]
         for position, rank in enumerate(failed_ranks):
-            candidates.append((2 if launch.stopped else (1 if position else 0), launch.node_rank, launch, rank))
+            torn_down = rank.signal in _TEARDOWN_SIGNALS and not rank.reason
+            candidates.append(((torn_down, launch.stopped, position > 0, launch.node_rank), launch, rank))
     lost = next((x for x in failed if x.infra), None)
-    if lost is not None and all(priority == 2 for priority, *_ in candidates):
+    if lost is not None and all(launch.stopped for _, launch, _ in candidates):
         candidates = []  # the peers were stopped because a node was lost: the loss explains it
     if not candidates:
         launch = lost or failed[0]
         return FailureInfo(reason=launch.message or f"launch on node {launch.node_name} failed",
                            node=launch.node_name, attempt=attempt)
-    candidates.sort(key=lambda c: (c[0], c[1]))
-    _, _, launch, rank = candidates[0]
+    _, launch, rank = min(candidates, key=lambda c: c[0])
     if rank.exit_code is None and rank.signal is None:
         # the rank never ran (torchrun itself failed, e.g. its rendezvous): the launch says why
         return FailureInfo(reason=f"rank {rank.rank} did not run: {launch.message or 'no exit status'}",
                            rank=rank.rank, node=launch.node_name, last_lines=rank.last_lines, attempt=attempt)
     return FailureInfo(reason=f"rank {rank.rank} {_how_it_ended(rank)}", rank=rank.rank, node=launch.node_name,
                        exit_code=rank.exit_code, signal=rank.signal, last_lines=rank.last_lines, attempt=attempt)
+
+
+_TEARDOWN_SIGNALS = frozenset({int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)})
 
 
 def _how_it_ended(rank: RankExit) -> str:
