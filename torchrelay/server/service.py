@@ -27,17 +27,16 @@ from typing import Any, Callable, Iterable
 
 from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound
-from torchrelay.server import telemetry
+from torchrelay.server import heartbeats, telemetry
 from torchrelay.server.control import Control
 from torchrelay.server.executors import Executor, Executors
 from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.reachability import problem_of
-from torchrelay.server.rows import Database, live_on_node, node_assignments, node_for_reply, touch_node
+from torchrelay.server.rows import Database
 from torchrelay.server.scheduling import queue_rows
 from torchrelay.server.submissions import Submissions
-from torchrelay.server.watchdogs import forgotten_launches
-from torchrelay.spec import JobState, LaunchState, NodeState
+from torchrelay.spec import JobState
 from torchrelay.storage import ArtifactStore
 from torchrelay.storage.keys import validate_relative_path
 from torchrelay.wire import (ArtifactInfo, EventRecord, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus, LogBatch, LogPage,
@@ -261,58 +260,18 @@ class ClusterService:
         return RegisterReply(node_id=node_id, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def heartbeat(self, node_id: str, hb: Heartbeat) -> HeartbeatReply:
-        """Record the node alive, apply the status changes it carries (``hb.statuses``, as
-        ``launch_status`` would, in order, in this one transaction) and what it runs; return its
-        desired launches (no waiting). Statuses of launches unknown or not on this node are
-        skipped (logged), so one stale entry cannot make every later heartbeat fail.
-        Raises NotFound for a node that is not registered."""
-        now = self.clock()
-        with self.db.lock:
-            with self.db.write() as rows:
-                node = rows.node_seen(node_id, now)
-                held = rows.launches_with_jobs({r.launch_id for r in hb.statuses}) if hb.statuses else []
-                for report in hb.statuses:
-                    launch = rows.launch(report.launch_id)
-                    if launch is None or launch.node_id != node_id:
-                        _log.warning("heartbeat of node %s: status of launch %s skipped (%s)", node_id,
-                                     report.launch_id, "unknown" if launch is None else f"on node {launch.node_id}")
-                        continue
-                    self.control.apply_status(rows, launch, report.status, now)
-                del held
-                if hb.statuses:
-                    rows.flush()  # the Core reads below do not autoflush
-                live = live_on_node(rows.conn, node_id)
-                forgotten = forgotten_launches([(x.id, LaunchState(x.state)) for x in live],
-                                               {r.launch_id for r in hb.launches})
-                for launch_id in forgotten:
-                    self.control.launch_exited(rows, rows.launch(launch_id), LaunchStatus(
-                        state="exited", succeeded=False, message="the agent no longer runs this launch"), now)
-                if forgotten:
-                    rows.flush()
-                    live = live_on_node(rows.conn, node_id)
-                launches = node_assignments(rows.conn, self.db.cache, node, live, self.store)
-            # read once this unit's own changes are notified, and before any later change (the
-            # lock is held): a change after this reply bumps past it and wakes the next long-poll
-            version = self.notifier.version(f"node:{node_id}")
-        return HeartbeatReply(version=version, node_state=NodeState.READY.value if node.state == NodeState.LOST.value
-                              else node.state,
-                              launches=launches, statuses_taken=len(hb.statuses))
+        """Record the node alive, apply the status changes it carries and return its desired
+        launches (no waiting): ``heartbeats.beat``. Raises NotFound for an unregistered node."""
+        return heartbeats.beat(self.db, self.control, self.store, self.notifier, node_id, hb, self.clock())
 
     def touch(self, node_id: str) -> None:
         """Record the node as seen now (the end of a long-poll heartbeat)."""
-        now = self.clock()
-        with self.db.lock, self.db.engine.begin() as conn:
-            # a write per long-poll is not needed: LOST is decided at heartbeat_timeout_s scale
-            touch_node(conn, node_id, now, unless_seen_after=now - self.heartbeat_timeout_s / 20)
+        heartbeats.touch(self.db, node_id, self.clock(), self.heartbeat_timeout_s)
 
     def desired(self, node_id: str) -> HeartbeatReply:
         """The node's launches as its agent should run them, with the version they are as of.
         Raises NotFound for a node that is not registered."""
-        version = self.notifier.version(f"node:{node_id}")
-        with self.db.engine.connect() as conn:
-            node = node_for_reply(conn, node_id)
-            launches = node_assignments(conn, self.db.cache, node, live_on_node(conn, node_id), self.store)
-        return HeartbeatReply(version=version, node_state=node.state, launches=launches)  # type: ignore[arg-type]
+        return heartbeats.desired(self.db, self.store, self.notifier, node_id)
 
     def list_nodes(self) -> list[NodeInfo]:
         with self.db.read() as rows:
