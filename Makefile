@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/digits/demo.py
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m '' tests
