@@ -54,6 +54,11 @@ class ServerUnavailable(RelayError):
     http_status = 503
 
 
+class UntrustedServer(ServerUnavailable):
+    """The server's TLS certificate does not verify against the CA the client trusts (``--ca``,
+    ``RELAY_CA``, else the system's), or the peer does not speak TLS: names the address."""
+
+
 class ExecutorUnavailable(RelayError):
     """An executor's cluster manager did not answer (e.g. ``slurmctld`` unreachable): names the
     command and what it said. Jobs keep their last known state; the executor retries."""
