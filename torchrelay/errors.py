@@ -72,6 +72,13 @@ class StorageError(RelayError):
     http_status = 507
 
 
+class InvalidStoragePath(StorageError):
+    """A path or bundle digest a request gave that cannot name a stored file (absolute, climbing
+    out of its folder, not a sha256 digest): the request is at fault, not the store."""
+
+    http_status = 422
+
+
 class StoreUnavailable(RelayError):
     """The state store (the ``--db`` URL) cannot be reached: names the URL, password hidden,
     and the driver's reason."""
@@ -97,7 +104,8 @@ class StaleAttempt(Conflict):
 
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             Unschedulable, ServerUnavailable, StorageError,
-                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader)}
+                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader,
+                                            InvalidStoragePath, UntrustedServer)}
 
 
 def error_class(name: str) -> type[RelayError]:
