@@ -45,7 +45,7 @@ def verify_for(address: str, ca: str | os.PathLike | None = None) -> ssl.SSLCont
     path = configured_ca(ca)
     if path is None:
         return ssl.create_default_context()
-    origin = "--ca" if ca else CA_ENV
+    origin = "--ca" if ca else f"{CA_ENV} (relay --ca)"
     try:
         return ssl.create_default_context(cafile=path)
     except (OSError, ssl.SSLError) as exc:

@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import serving
+from conftest import group_members, kill_group, serving
 from torchrelay.client.cluster import ServerTls
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import InvalidSpec, ServerUnavailable, UntrustedServer
@@ -118,6 +119,30 @@ def test_a_client_that_does_not_trust_the_ca_is_refused_clearly(tls_server, pki,
     run = cli(*args, "ls", address=tls_server)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert tls_server in run.stderr and "RELAY_CA" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_an_agent_that_does_not_trust_the_ca_says_so_and_keeps_trying(tls_server, pki, relay_home):
+    log_path = relay_home / "agent.log"
+    env = {k: v for k, v in os.environ.items() if k != "RELAY_CA"}
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen([*CLI, "agent", "--address", tls_server, "--ca", str(pki["other"]), "--name", "doubter",
+                                  "--work-dir", str(relay_home / "agent")], env={**env, "RELAY_HOME": str(relay_home)},
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while log_path.read_text(errors="replace").count("does not verify") < 2 and time.monotonic() < deadline:
+            assert agent.poll() is None, log_path.read_text(errors="replace")
+            time.sleep(0.1)
+        text = log_path.read_text(errors="replace")
+        assert f"the TLS certificate of the server at {tls_server} does not verify" in text, text
+        assert f"trusting {pki['other']}" in text and "RELAY_CA=FILE" in text, text
+        assert "Traceback" not in text, text
+        with RelayClient(tls_server, ca=pki["ca"]) as client:
+            assert client.nodes() == []  # it never got in
+    finally:
+        kill_group(agent.pid)
+        agent.wait(timeout=10)
+    assert group_members(agent.pid) == []
 
 
 def test_plain_http_to_the_tls_port_is_refused_clearly(tls_server, pki):
