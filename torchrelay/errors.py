@@ -54,6 +54,11 @@ class ServerUnavailable(RelayError):
     http_status = 503
 
 
+class UntrustedServer(ServerUnavailable):
+    """The server's TLS certificate does not verify against the CA the client trusts (``--ca``,
+    ``RELAY_CA``, else the system's), or the peer does not speak TLS: names the address."""
+
+
 class ExecutorUnavailable(RelayError):
     """An executor's cluster manager did not answer (e.g. ``slurmctld`` unreachable): names the
     command and what it said. Jobs keep their last known state; the executor retries."""
@@ -65,6 +70,13 @@ class StorageError(RelayError):
     """The artifact store could not read or write (missing path, full disk, permissions)."""
 
     http_status = 507
+
+
+class InvalidStoragePath(StorageError):
+    """A path or bundle digest a request gave that cannot name a stored file (absolute, climbing
+    out of its folder, not a sha256 digest): the request is at fault, not the store."""
+
+    http_status = 422
 
 
 class StoreUnavailable(RelayError):
@@ -92,7 +104,8 @@ class StaleAttempt(Conflict):
 
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             Unschedulable, ServerUnavailable, StorageError,
-                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader)}
+                                            CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader,
+                                            InvalidStoragePath, UntrustedServer)}
 
 
 def error_class(name: str) -> type[RelayError]:

@@ -15,7 +15,8 @@ Contract:
   the job's ``env`` and ``RELAY_STRATEGY``, ``RELAY_GPUS_PER_WORKER`` and the like); the
   assignment's identity as ``RELAY_*`` variables (the store's URL and its public options as
   ``RELAY_STORE_OPTIONS``; the store's credentials are the node's own, from its environment); last what only this agent knows (the
-  launch's folders, the address it reaches the server at, the GPU indices it picked).
+  launch's folders, the address it reaches the server at and the CA it trusts there
+  (``RELAY_CA``, absolute; none when the agent has none), the GPU indices it picked).
 - ``build_rank_env``: what torchrun's local agent adds for one worker, for a direct launch.
 Every builder raises ``ValueError`` on a value it cannot use, naming it.
 """
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from torchrelay import wire
+from torchrelay.tls import CA_ENV, configured_ca
 from torchrelay.agent.target import WORKER_MODULE, WorkerTarget, target_of_entrypoint
 
 
@@ -101,6 +103,11 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
         "RELAY_LAUNCH_DIR": os.path.abspath(run_dir),
         "PYTHONUNBUFFERED": "1",
     })
+    ca = configured_ca(env=base_env)  # the CA the agent trusts: workers reach the same server
+    if ca:
+        env[CA_ENV] = ca
+    else:
+        env.pop(CA_ENV, None)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env

@@ -17,6 +17,9 @@ Contract:
   never touched by any of this: they run on while the agent looks for a leader. A server of
   another cluster than the first one that answered (another database) is refused:
   ``ServerRefused`` (409) naming both.
+- An ``https://`` server's certificate is verified against ``RELAY_CA`` (``relay agent --ca``),
+  else the system's CAs; a TLS failure is a ``ServerUnreachable`` whose message says so
+  (``torchrelay.tls``).
 - ``close()`` ends the connections, a long poll in flight included (it raises
   ``ServerUnreachable`` in its caller's thread). Idempotent.
 """
@@ -28,7 +31,7 @@ from typing import Protocol
 import httpx
 from pydantic import BaseModel
 
-from torchrelay import wire
+from torchrelay import tls, wire
 from torchrelay.agent.outbox import EntryKind
 from torchrelay.servers import ClusterMismatch, ServerList, parse_addresses
 
@@ -74,8 +77,9 @@ class HttpServerLink:
         self.servers = ServerList(parse_addresses(address))
         base = self.servers.current + wire.API_PREFIX
         self.bundle_timeout_s = bundle_timeout_s
-        self._http = httpx.Client(base_url=base, timeout=timeout_s)
-        self._poll_http = httpx.Client(base_url=base, timeout=long_poll_s + 15.0)
+        verify = tls.verify_for(address)  # RELAY_CA (relay agent --ca), else the system's CAs
+        self._http = httpx.Client(base_url=base, timeout=timeout_s, verify=verify)
+        self._poll_http = httpx.Client(base_url=base, timeout=long_poll_s + 15.0, verify=verify)
 
     def _move(self, failed: str, leader: str | None, why: str) -> None:
         now = self.servers.moved(failed, leader)
@@ -88,7 +92,7 @@ class HttpServerLink:
         try:
             reply = client.request(method, path, **kw)
         except httpx.HTTPError as exc:
-            self._move(tried, None, f"{method} {path} at {tried}: {exc}")
+            self._move(tried, None, f"{method} {path} at {tried}: {tls.tls_failure(exc, tried) or exc}")
         except RuntimeError as exc:  # a client closed under the call ("Cannot send a request...")
             raise ServerUnreachable(f"{method} {path}: {exc}") from exc
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from torchrelay import tls
 from torchrelay.client.address import LOCAL_HOST, ListenPlan
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import Conflict, ServerUnavailable
@@ -74,12 +75,22 @@ class AgentOptions:
         return out
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """HTTPS for an embedded cluster's server: its PEM certificate and key, and the CA file its
+    agents (and their workers) and this process's clients trust."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: float | None = None,
                   heartbeat_timeout_s: float = 10.0, timeout_s: float = 60.0,
                   agent_options: list[AgentOptions] | None = None, quotas_file: Path | None = None,
                   listen: ListenPlan = ListenPlan(), server_args: Sequence[str] = (),
                   server_config: Path | None = None, server_env: dict[str, str] | None = None,
-                  agent_env: dict[str, str] | None = None) -> Cluster:
+                  agent_env: dict[str, str] | None = None, tls: ServerTls | None = None) -> Cluster:
     """Start a server and ``agents`` agents; blocks until all are up. Raises ServerUnavailable,
     and ``Conflict`` when the server cannot listen where ``listen`` says.
 
@@ -87,7 +98,8 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
     ``quotas_file`` is passed to the server as ``--quotas``, ``server_config`` as ``--config`` (the
     store's URL and options); ``server_args`` are more options of ``relay server`` (e.g.
     ``--slurm-partition``). ``server_env`` and ``agent_env`` are added to the environment of the
-    server and of every agent (e.g. credentials only the agents' workers should hold)."""
+    server and of every agent (e.g. credentials only the agents' workers should hold). With ``tls``
+    the server serves HTTPS and the agents trust ``tls.ca`` (``--ca``); plain HTTP otherwise."""
     if agent_options is not None and len(agent_options) != agents:
         raise ValueError(f"agent_options has {len(agent_options)} entries for {agents} agents; give one per agent")
     home = (home or relay_home()).resolve()
@@ -106,14 +118,19 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
         server_argv += ["--quotas", str(Path(quotas_file).resolve())]
     if server_config is not None:
         server_argv += ["--config", str(Path(server_config).resolve())]
+    if tls is not None:
+        server_argv += ["--tls-cert", str(Path(tls.cert).resolve()), "--tls-key", str(Path(tls.key).resolve())]
+    ca = str(Path(tls.ca).resolve()) if tls is not None else None
     server = _spawn([*server_argv, *server_args], home, "server", server_env)
     pids = [server.pid]
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:
-        address = _wait_for_server(home, server, timeout_s)
+        address = _wait_for_server(home, server, timeout_s, ca)
         for i in range(agents):
             argv = [*cli, "agent", "--address", address, "--name", f"agent-{i}",
                     "--work-dir", str(home / "agents" / f"agent-{i}")]
+            if ca is not None:
+                argv += ["--ca", ca]
             if agent_options is not None:
                 argv += agent_options[i].argv()
             elif agent_cpus is not None:
@@ -121,7 +138,7 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
             pids.append(_spawn(argv, home, f"agent-{i}", agent_env).pid)
             write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
                                             "started_at": time.time()})
-        with RelayClient(address) as client:
+        with RelayClient(address, ca=ca) as client:
             client.wait_for_nodes(agents, timeout=timeout_s)
     except BaseException:
         stop_cluster(home)
@@ -143,7 +160,7 @@ def check_listenable(listen: ListenPlan) -> None:
             raise Conflict(listen.refusal(exc.errno, exc.strerror or str(exc))) from None
 
 
-def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float, ca: str | None = None) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -152,7 +169,8 @@ def _wait_for_server(home: Path, proc: subprocess.Popen, timeout_s: float) -> st
         info = read_json(server_file(home))
         if info and info.get("pid") == proc.pid:
             try:
-                httpx.get(info["address"] + "/api/v1/health", timeout=2).raise_for_status()
+                httpx.get(info["address"] + "/api/v1/health", timeout=2,
+                          verify=tls.verify_for(info["address"], ca)).raise_for_status()
                 return info["address"]
             except httpx.HTTPError:
                 pass

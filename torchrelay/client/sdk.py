@@ -8,7 +8,10 @@ running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the
 Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip per
 server tried. The address may name several servers of one cluster, comma-separated: a call
 that finds no answer tries the next, and one that reaches a follower goes to the leader it
-names (``torchrelay.servers``); ``address`` is the one in use.
+names (``torchrelay.servers``); ``address`` is the one in use. An ``https://`` server's
+certificate is verified against ``ca`` (else ``RELAY_CA``, else the system's CAs); when it does
+not verify, or the peer does not speak TLS, calls raise ``UntrustedServer`` naming the address
+and ``--ca``/``RELAY_CA`` (``torchrelay.tls``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any, Iterator
 
 import httpx
 
+from torchrelay import tls
 from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
 from torchrelay.client.replies import raise_for_error
@@ -54,7 +58,8 @@ def resolve_address(address: str | None = None) -> tuple[str, AddressSource] | N
 class RelayClient:
     """A connection to one torchrelay server. Thread-safe (one httpx client)."""
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0, user: str | None = None):
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, user: str | None = None,
+                 ca: str | Path | None = None):
         resolved = resolve_address(address)
         if resolved is None:
             raise ServerUnavailable(
@@ -67,8 +72,9 @@ class RelayClient:
         except ValueError as exc:
             raise ServerUnavailable(f"{exc} (from {self._source.value})") from None
         self.user = user or os.environ.get("RELAY_USER") or _login_name()
+        self.ca = ca  # None: RELAY_CA, else the system's CAs (torchrelay.tls)
         self._http = httpx.Client(base_url=self.address + API_PREFIX, timeout=timeout,
-                                  headers={"x-relay-user": self.user})
+                                  headers={"x-relay-user": self.user}, verify=tls.verify_for(named, ca))
 
     @property
     def address(self) -> str:
@@ -98,9 +104,7 @@ class RelayClient:
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
                 if tries_left > 0 and self._move(tried, None):
                     continue
-                raise ServerUnavailable(unreachable_message(
-                    tried, self._source, type(exc).__name__, home=str(relay_home()),
-                    recorded=recorded_address())) from None
+                raise self._unreachable(exc, tried) from None
             try:
                 self._servers.seen(tried, resp.headers.get("x-relay-cluster"))
             except ClusterMismatch as exc:
@@ -115,6 +119,17 @@ class RelayClient:
             break
         raise_for_error(resp)
         return resp
+
+    def _unreachable(self, exc: httpx.TransportError, tried: str) -> ServerUnavailable:
+        """What to raise for a call to ``tried`` that got no answer: ``UntrustedServer`` when TLS
+        was the reason, else ``ServerUnavailable`` saying where the address came from."""
+        untrusted = tls.tls_failure(exc, tried, self.ca)
+        if untrusted is not None:
+            return untrusted
+        cut_off = isinstance(exc, httpx.RemoteProtocolError)
+        return ServerUnavailable(unreachable_message(
+            tried, self._source, type(exc).__name__, home=str(relay_home()),
+            recorded=recorded_address()) + (tls.plain_to_tls_hint(tried) if cut_off else ""))
 
     def _move(self, failed: str, leader: str | None) -> bool:
         """Switch to the next server (or ``leader``); False when there is no other to try."""
@@ -152,7 +167,11 @@ class RelayClient:
     def upload_bundle(self, workdir: str | Path) -> str:
         """Pack and upload ``workdir`` unless the server already has it; returns the digest."""
         blob, digest = pack_dir(workdir)
-        if self._http.head(f"/bundles/{digest}").status_code != 200:
+        try:
+            known = self._http.head(f"/bundles/{digest}").status_code == 200
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc, self.address) from None
+        if not known:
             ref = BundleRef.model_validate(self._request("POST", "/bundles", content=blob,
                                                          headers={"content-type": "application/gzip"}).json())
             assert ref.digest == digest, f"server stored bundle as {ref.digest}, expected {digest}"

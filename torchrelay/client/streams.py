@@ -5,7 +5,8 @@ message of ``path`` (``data`` parsed from JSON), in order, until the server send
 ``event: end`` (the job finished; not yielded). A dropped connection (the server restarted, a
 proxy cut it) is opened again with ``Last-Event-ID`` set to the last id received, so nothing
 is missed and nothing repeated; after ``give_up_s`` without a connection it raises
-``ServerUnavailable``. HTTP errors raise the class of ``torchrelay.errors`` the server named.
+``ServerUnavailable``; a TLS failure (the certificate does not verify) raises ``UntrustedServer``
+at once. HTTP errors raise the class of ``torchrelay.errors`` the server named.
 Blocks between messages; ``read_timeout_s`` must exceed the server's keepalive (15 s).
 
 SSE parsing is httpx-sse's.
@@ -21,6 +22,8 @@ from httpx_sse import connect_sse
 
 from torchrelay.client.replies import raise_for_error
 from torchrelay.errors import ServerUnavailable
+from torchrelay.tls import tls_failure
+from torchrelay.wire import API_PREFIX
 
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.ReadTimeout,
              httpx.RemoteProtocolError)
@@ -47,6 +50,9 @@ def follow_stream(http: httpx.Client, path: str, *, after: int = 0, params: dict
                         last = int(sse.id)
                     yield sse.event, json.loads(sse.data)
         except RETRYABLE as exc:
+            untrusted = tls_failure(exc, str(http.base_url).rstrip("/").removesuffix(API_PREFIX))
+            if untrusted is not None:  # a certificate does not verify again by waiting
+                raise untrusted from None
             now = time.monotonic()
             failing_since = failing_since or now
             if now - failing_since > give_up_s:

@@ -70,6 +70,12 @@ def _error_handlers(app: FastAPI) -> None:
     async def _relay_error(_request: Request, exc: RelayError) -> JSONResponse:
         return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=exc.http_status)
 
+    @app.exception_handler(OverflowError)
+    async def _overflow(_request: Request, exc: OverflowError) -> JSONResponse:
+        # a request's integer past what the state store's 64-bit columns hold (sqlite3 raises this)
+        return JSONResponse({"error": "InvalidSpec", "detail": f"invalid request: a number is out of range ({exc}); "
+                             f"integers must lie within -2**63 .. 2**63-1"}, status_code=422)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []

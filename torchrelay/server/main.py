@@ -2,7 +2,9 @@
 
 Binds before announcing: the listening socket is created here (port 0 lets the OS pick),
 then the address is written to ``<RELAY_HOME>/server.json`` and uvicorn serves on that
-socket, so a client that reads the file can connect at once. Blocks until SIGTERM/SIGINT.
+socket, so a client that reads the file can connect at once. Blocks until SIGTERM/SIGINT. With a
+certificate and key (``relay server --tls-cert --tls-key``) it serves HTTPS (uvicorn's TLS) and
+its address is ``https://``; without, plain HTTP.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import hashlib
 import logging
 import os
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -70,10 +73,30 @@ def open_checked_store(url: str, options: dict) -> ArtifactStore:
     return store
 
 
+def check_tls_files(cert: Path | None, key: Path | None) -> None:
+    """Raise InvalidSpec unless ``cert`` and ``key`` are both None or both load as a PEM certificate
+    chain and its private key (what uvicorn would load later, after binding)."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
+        raise InvalidSpec(f"{given} needs {missing} too: HTTPS needs the certificate and its private key")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(path).is_file():
+            raise InvalidSpec(f"{flag} {str(path)!r} is not a file; give a PEM file (docs/security.md, TLS)")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:
+        raise InvalidSpec(f"--tls-cert {str(cert)!r} and --tls-key {str(key)!r} do not load as a PEM certificate "
+                          f"and its private key ({exc.reason or exc}); docs/security.md, TLS, shows how to "
+                          "make them") from None
+
+
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
           quotas_file: Path | None = None, executors: Sequence[Executor] = (),
-          config_file: Path | None = None, events: Sequence[str] = (), advertise: str | None = None) -> None:
+          config_file: Path | None = None, events: Sequence[str] = (), advertise: str | None = None,
+          tls_cert: Path | None = None, tls_key: Path | None = None) -> None:
     """Serve until interrupted. Raises, before binding: InvalidSpec naming the file and entry when
     ``quotas_file`` or ``config_file`` is malformed, or naming the URL when one of ``events`` is;
     StorageError with the store's own reason when the artifact store cannot be opened, reached or
@@ -82,7 +105,9 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     bind. A sink that cannot be reached is logged and retried by its relay, never fatal
     (docs/queues.md). On PostgreSQL several servers may share one state store: one leads, the
     others answer where it is (``leadership.py``); ``advertise`` is the URL they name for this one
-    (default: the address it listens on)."""
+    (default: the address it listens on). With ``tls_cert`` and ``tls_key`` (PEM files) it serves
+    HTTPS only and its address is ``https://``; InvalidSpec naming the file when they do not load."""
+    check_tls_files(tls_cert, tls_key)
     quotas = QuotaTable.load(quotas_file) if quotas_file else QuotaTable()
     config = load_server_config(config_file) if config_file else None
     sink_urls = [parse_sink_url(url) for url in events]
@@ -98,7 +123,9 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     sock.listen(2048)
     bound_port = sock.getsockname()[1]
     shown_host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    address = f"http://[{shown_host}]:{bound_port}" if ":" in shown_host else f"http://{shown_host}:{bound_port}"
+    scheme = "https" if tls_cert else "http"
+    address = (f"{scheme}://[{shown_host}]:{bound_port}" if ":" in shown_host
+               else f"{scheme}://{shown_host}:{bound_port}")
     service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
     leadership = Leadership(service, (advertise or address).rstrip("/"))
@@ -110,7 +137,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     write_json(server_file(home), {"address": address, "pid": os.getpid()})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING))
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75,
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3,
+                            ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

@@ -54,18 +54,23 @@ class Feed:
     read: Callable[[int], Chunk]
 
 
+MAX_ROW_ID = 2**63 - 1  # the state store's 64-bit keys: a larger id would overflow the query
+
+
 def start_id(last_event_id: str | None, after: int) -> int:
     """The row id a stream starts after: the ``Last-Event-ID`` header wins over ``?after=``.
-    Raises InvalidSpec naming a header that is not a row id."""
+    Raises InvalidSpec naming a header (or ``after``) that is not a row id."""
     if last_event_id is None or last_event_id.strip() == "":
+        if after > MAX_ROW_ID:
+            raise InvalidSpec(f"after={after} is not a row id (at most {MAX_ROW_ID})")
         return after
     try:
         value = int(last_event_id)
     except ValueError:
         value = -1
-    if value < 0:
+    if not 0 <= value <= MAX_ROW_ID:
         raise InvalidSpec(f"Last-Event-ID {last_event_id!r} is not a row id; send the `id:` of the last "
-                          "message received (a whole number >= 0)")
+                          f"message received (a whole number 0 .. {MAX_ROW_ID})")
     return value
 
 

@@ -26,9 +26,10 @@ def job_id_of(seq: int) -> str:
 
 
 def job_seq_of(job_id: str) -> int | None:
-    """``job-12`` or ``12`` -> 12; anything else -> None."""
+    """``job-12`` or ``12`` -> 12; anything else (other digits than ASCII ones, a number past what
+    the state store's 64-bit keys hold) -> None."""
     text = job_id.removeprefix("job-")
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 class StopKind(str, enum.Enum):

@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import posixpath
 
-from torchrelay.errors import StorageError
+from torchrelay.errors import InvalidStoragePath
 
 TEMP_MARK = ".tmp-"  # in the name of a file being written; listings skip it
 
 
 def validate_relative_path(path: str) -> str:
-    """``path`` normalised; raises ``StorageError`` if it is absolute or climbs out ('..')."""
+    """``path`` normalised; raises ``InvalidStoragePath`` (a ``StorageError``) if it is absolute or climbs out ('..')."""
     norm = posixpath.normpath(path.replace("\\", "/")).lstrip("/") if path else ""
     if not norm or norm == "." or norm.startswith("..") or "/../" in f"/{norm}/" or path.startswith("/"):
-        raise StorageError(f"artifact path {path!r} must be relative and stay inside the job's folder")
+        raise InvalidStoragePath(f"artifact path {path!r} must be relative and stay inside the job's folder")
     return norm
 
 
 def bundle_key(digest: str) -> str:
     if not digest or not all(c in "0123456789abcdef" for c in digest) or len(digest) != 64:
-        raise StorageError(f"bundle digest {digest!r} is not a sha256 hex string")
+        raise InvalidStoragePath(f"bundle digest {digest!r} is not a sha256 hex string")
     return f"bundles/{digest}.tar.gz"
 
 

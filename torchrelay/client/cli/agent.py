@@ -1,6 +1,7 @@
 """`relay agent`: run a node agent in the foreground."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -32,12 +33,17 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
                                       help="enforce the offer and each launch's cpu and memory with cgroups: "
                                       "auto (when root and mounted; the default), on, off"),
           cgroup_parent: str = typer.Option(None, "--cgroup-parent",
-                                            help="the cgroup the agent's own goes under (default: its own)")) -> None:
+                                            help="the cgroup the agent's own goes under (default: its own)"),
+          ca: str = typer.Option(None, "--ca", help="PEM file of the CA that signed an https:// server's "
+                                 "certificate (default: RELAY_CA, else the system's CAs); the workers get "
+                                 "it too, as RELAY_CA")) -> None:
     """Run an agent: register with the server, start and watch this node's workers."""
     from torchrelay.agent.daemon import Agent
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
+    if ca:  # the link to the server and build_worker_env read it from the environment (torchrelay.tls)
+        os.environ["RELAY_CA"] = os.path.abspath(ca)
     labels = key_values(label, "--label")
     name = name or socket.gethostname()
     host = _advertised(host, address)

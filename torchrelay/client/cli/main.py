@@ -8,6 +8,19 @@ from torchrelay.client.cli import (agent, data, download, jobs, logs, metrics, n
 
 app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def trust(ca: str = typer.Option(None, "--ca", envvar="RELAY_CA", show_envvar=True,
+                                 help="PEM file of the CA that signed an https:// server's certificate "
+                                 "(default: the system's CAs); agents hand it on to their workers")) -> None:
+    """torchrelay: run PyTorch training jobs on a cluster."""
+    import os
+
+    if ca:  # every SDK client and agent of this process reads it from here (torchrelay.tls)
+        os.environ["RELAY_CA"] = os.path.abspath(ca)
+
+
 app.command("up")(up.up)
 app.command("down")(up.down)
 app.command("server")(server.server)

@@ -39,6 +39,11 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                             "kafka://HOST:PORT/TOPIC; repeatable (docs/queues.md)"),
            advertise: str = typer.Option(None, envvar="RELAY_ADVERTISE", help="the URL other hosts reach this server at, which a "
                                          "follower names when another server leads (default: --host:--port)"),
+           tls_cert: Path = typer.Option(None, "--tls-cert", envvar="RELAY_TLS_CERT",
+                                         help="serve HTTPS with this PEM certificate (chain); needs --tls-key "
+                                         "(docs/security.md, TLS)"),
+           tls_key: Path = typer.Option(None, "--tls-key", envvar="RELAY_TLS_KEY",
+                                        help="the PEM private key of --tls-cert"),
            log_level: str = typer.Option("warning")) -> None:
     """Run the torchrelay server until interrupted."""
     from torchrelay.server.main import serve, slurm_executor
@@ -50,4 +55,4 @@ def server(host: str = typer.Option("127.0.0.1", help="address to listen on (0.0
                                         accounting=slurm_accounting))
     serve(host=host, port=port, db_url=db, store_url=store, heartbeat_timeout_s=heartbeat_timeout,
           log_level=log_level, quotas_file=quotas, executors=executors, config_file=config, events=events or (),
-          advertise=advertise)
+          advertise=advertise, tls_cert=tls_cert, tls_key=tls_key)

@@ -1,0 +1,42 @@
+"""What the API makes of ids and positions a request gives (found by tests/integration/test_api_fuzz.py):
+each either names a row or is refused as the request's fault, never a server error."""
+from __future__ import annotations
+
+import pytest
+
+from torchrelay.errors import InvalidSpec, InvalidStoragePath, StorageError
+from torchrelay.server.streams import MAX_ROW_ID, start_id
+from torchrelay.server.views import job_seq_of
+from torchrelay.storage.keys import bundle_key, validate_relative_path
+
+
+@pytest.mark.parametrize("job_id, seq", [
+    ("job-12", 12), ("12", 12), ("job-0", 0), ("job-999999999999999999", 999999999999999999),
+    ("job-9999999999999999999", None),  # past the state store's 64-bit keys
+    ("job-²", None), ("job-١٢", None),  # digits, but not ASCII ones: int() refuses or misreads them
+    ("job-", None), ("job-1a", None), ("job--1", None), ("", None),
+])
+def test_job_seq_of(job_id, seq):
+    assert job_seq_of(job_id) == seq
+
+
+@pytest.mark.parametrize("header, after, expected", [
+    (None, 0, 0), (None, 7, 7), ("", 7, 7), ("12", 7, 12), (str(MAX_ROW_ID), 0, MAX_ROW_ID),
+    (None, MAX_ROW_ID + 1, InvalidSpec), (str(MAX_ROW_ID + 1), 0, InvalidSpec), ("-1", 0, InvalidSpec),
+    ("abc", 0, InvalidSpec),
+])
+def test_start_id(header, after, expected):
+    if expected is InvalidSpec:
+        with pytest.raises(InvalidSpec, match="is not a row id"):
+            start_id(header, after)
+    else:
+        assert start_id(header, after) == expected
+
+
+@pytest.mark.parametrize("call, value", [(bundle_key, "0"), (bundle_key, "ZZ" * 32), (validate_relative_path, "../x"),
+                                         (validate_relative_path, "/etc/passwd")])
+def test_a_bad_path_or_digest_is_the_requests_fault(call, value):
+    with pytest.raises(InvalidStoragePath) as refused:
+        call(value)
+    assert refused.value.http_status == 422 and isinstance(refused.value, StorageError)
+    assert repr(value) in str(refused.value)
