@@ -10,8 +10,9 @@ UTF-8 and the whole at most ``MAX_PATH_BYTES`` (the S3 key limit, less room for 
 Refused: an empty path, a leading ``/`` (absolute), empty segments (``//``, a trailing ``/``),
 ``.`` and ``..`` segments and any segment of dots only (also Unicode dots that NFKC folds to
 ``.``: ``．``, ``‥``, ``․``), backslashes, NUL and other control characters, ``#`` and ``?``
-(URL fragment and query), and percent-escapes (``%2e``, ``%2f``, ``%252e``...): a path arrives
-decoded once by the HTTP server, so an escape left in it is an attempt to be decoded again.
+(URL fragment and query), U+FFFD (what bytes that are not UTF-8, like ``%C0%AE``, decode to),
+and percent-escapes (``%2e``, ``%2f``, ``%252e``...): a path arrives decoded once by the HTTP
+server, so an escape left in it is an attempt to be decoded again.
 
 ``safe_digest(raw)``: a bundle's name, exactly 64 lowercase hex characters (sha256).
 """
@@ -50,7 +51,8 @@ def path_problem(raw: object) -> str | None:
         return "it is empty"
     if _CONTROL.search(raw):
         return "it holds a control character (NUL, newline...)"
-    for char, why in (("\\", "a backslash"), ("#", "'#'"), ("?", "'?'")):
+    for char, why in (("\\", "a backslash"), ("#", "'#'"), ("?", "'?'"),
+                      ("\ufffd", "U+FFFD (bytes that were not UTF-8)")):
         if char in raw:
             return f"it holds {why}"
     if _PERCENT_ESCAPE.search(raw):

@@ -20,7 +20,7 @@ BAD = [
     ("%2e%2e/x", "'%2e'"), ("%2E%2E/x", "'%2E'"), ("..%2fx", "'%2f'"), ("a%2Fb", "'%2F'"),
     ("%252e%252e/x", "'%25'"), ("a%00b", "'%00'"), ("%5c", "'%5c'"),
     ("\uff0e\uff0e/x", "dots only"), ("\u2025/x", "dots only"), ("\u2024/x", "dots only"),
-    ("a/\uff0e", "dots only"),
+    ("a/\uff0e", "dots only"), ("\ufffd\ufffd/x", "U+FFFD"),
     ("x" * (MAX_SEGMENT_BYTES + 1), "longer than 255"), ("é" * 128, "longer than 255"),
     ("/".join(["y" * 200] * 5), f"longer than {MAX_PATH_BYTES}"),
 ]
