@@ -140,7 +140,7 @@ def safetensors_bytes(obj: Any, path: str = "model.safetensors") -> bytes:
     tensors, seen = {}, set()
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
-            raise InvalidSpec(f"save_artifact({path!r}, format='safetensors'): {name!r} is a "
+            raise InvalidSpec(f"save_artifact({path!r}, format='safetensors'): {name!r} is of type "
                               f"{type(value).__name__}, not a tensor; safetensors holds tensors only "
                               "(save other values as JSON beside it)")
         tensor = value.detach().cpu().contiguous()
