@@ -8,7 +8,6 @@ marker file must not exist afterwards, and where a load is refused the message s
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import subprocess

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchrelay.train as rt
-from torchrelay.errors import InvalidPath, InvalidSpec, StorageError
+from torchrelay.errors import InvalidPath, InvalidSpec
 from torchrelay.train.artifacts import store_location
 
 pytestmark = pytest.mark.timeout(60)
