@@ -115,3 +115,13 @@ def test_save_artifact_safetensors_refuses_what_it_cannot_hold(out):
 def test_bytes_named_safetensors_are_kept_as_they_are(out):
     rt.save_artifact("given.safetensors", b"already serialized")
     assert (out / "given.safetensors").read_bytes() == b"already serialized"
+
+
+def test_a_folder_with_a_name_the_store_refuses_writes_nothing(out, tmp_path):
+    folder = tmp_path / "run"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("a")
+    (folder / "sub" / "b#c.txt").write_text("b")
+    with pytest.raises(InvalidPath, match=r"'run/sub/b#c.txt' is refused: it holds '#'"):
+        rt.save_artifact("run", folder)
+    assert not (out / "run").exists()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from torchrelay.errors import InvalidSpec, StorageError
-from torchrelay.storage import ArtifactStore, validate_relative_path
+from torchrelay.storage import ArtifactStore
 
 LOCAL_JOB_ID = "local"
 DEFAULT_OUTPUT_DIR = "relay-outputs"
@@ -111,12 +111,14 @@ def save_artifact(path: str, obj: Any, *, format: str | None = None) -> str:  # 
     elif isinstance(obj, (str, os.PathLike)):
         local = os.fspath(obj)
         if os.path.isdir(local):
+            # every name checked before the first write: a refused one leaves nothing half copied
+            keyed = []
             for folder, _dirs, files in os.walk(local):
-                for name in sorted(files):
-                    full = os.path.join(folder, name)
+                for full in (os.path.join(folder, name) for name in sorted(files)):
                     rel = os.path.relpath(full, local).replace(os.sep, "/")
-                    store.put_bytes(ArtifactStore.artifact_key(job_id, f"{validate_relative_path(path)}/{rel}"),
-                                    _read_local(full))
+                    keyed.append((ArtifactStore.artifact_key(job_id, f"{path}/{rel}"), full))
+            for file_key, full in keyed:
+                store.put_bytes(file_key, _read_local(full))
         elif os.path.isfile(local):
             store.put_bytes(key, _read_local(local))
         else:
