@@ -1,9 +1,9 @@
 """Unpack a code bundle (tar.gz) so that nothing lands outside the target folder.
 
 ``extract_bundle(source, dest)`` extracts with ``tarfile``'s ``data`` filter: members with
-``..`` or absolute names (which the filter alone would make relative), symlinks and hard links that point out of ``dest`` (and so files
-written through them), device nodes and FIFOs are refused; modes lose setuid/setgid and
-group/other write bits. ``source`` is a path or a binary file object. A refused member raises
+``..`` or absolute names (which the filter alone would make relative), symlinks and hard links
+that point out of ``dest`` (and so files written through them), device nodes and FIFOs are
+refused; modes lose setuid/setgid and group/other write bits. ``source`` is a path or a binary file object. A refused member raises
 ``BundleRefused`` (a ``ValueError``) naming it and why, before anything of it is written; a
 broken archive raises ``tarfile.TarError``. Blocks for the extraction. Used by the agent, the
 Slurm executor and the client alike.

@@ -11,8 +11,10 @@ Contract:
   returns its URL: ``bytes`` as they are, a local file (``str``/``os.PathLike`` that exists)
   copied, a local directory copied file by file below ``path``, anything else (tensors, state
   dicts) through ``torch.save``, or as safetensors with ``format="safetensors"`` (the default
-  for a path ending in ``.safetensors``: nothing runs when it is loaded). It writes from whichever rank calls it: call it on
-  ``ctx.is_main`` for a shared model. Raises ``StorageError`` naming the path and the cause.
+  for a path ending in ``.safetensors``: nothing runs when it is loaded). It writes from
+  whichever rank calls it: call it on ``ctx.is_main`` for a shared model. Raises
+  ``InvalidPath`` for a path that is not plain (``torchrelay.paths``), ``StorageError`` naming
+  the path and the cause.
 - ``artifact_url(path)`` is the URL ``save_artifact(path, …)`` writes to (no I/O).
 """
 from __future__ import annotations
