@@ -48,6 +48,20 @@ class InsufficientMemory(InvalidSpec):
     """A job's training state cannot fit the memory its workers have: names the figures and what would fit."""
 
 
+class InvalidPath(InvalidSpec):
+    """A file name or path a request, spec or worker gave would leave its job's folder or is not
+    plain (``..``, absolute, %-escapes...; see ``torchrelay.paths``): names it and what is allowed."""
+
+    http_status = 400
+
+
+class PayloadTooLarge(RelayError):
+    """An upload (bundle, artifact, log or metric batch) is over the server's limit: names the
+    limit and the setting that raises it."""
+
+    http_status = 413
+
+
 class ServerUnavailable(RelayError):
     """No torchrelay server answers at the address the client was given."""
 
@@ -70,13 +84,6 @@ class StorageError(RelayError):
     """The artifact store could not read or write (missing path, full disk, permissions)."""
 
     http_status = 507
-
-
-class InvalidStoragePath(StorageError):
-    """A path or bundle digest a request gave that cannot name a stored file (absolute, climbing
-    out of its folder, not a sha256 digest): the request is at fault, not the store."""
-
-    http_status = 422
 
 
 class StoreUnavailable(RelayError):
@@ -103,9 +110,10 @@ class StaleAttempt(Conflict):
 
 
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
+                                            InvalidPath, PayloadTooLarge,
                                             Unschedulable, ServerUnavailable, StorageError,
                                             CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader,
-                                            InvalidStoragePath, UntrustedServer)}
+                                            UntrustedServer)}
 
 
 def error_class(name: str) -> type[RelayError]:

@@ -305,3 +305,24 @@ def test_batches_of_one_launch_and_kind_go_together_and_in_order(tmp_path):
     assert len(agent.outbox) == 0
     agent.close()
 
+
+
+def test_a_batch_over_the_servers_size_limit_goes_again_in_halves_and_loses_nothing(tmp_path):
+    from torchrelay.agent.server_link import ServerRefused
+
+    class Limited(FakeServer):
+        def post_records(self, kind, job_id, launch_id, records):
+            if len(records) > 300:  # as a server with a small limits.log_batch answers
+                raise ServerRefused(413, "the log batch is over the server's limit")
+            with self.changed:
+                self.events.append((kind.value, launch_id, [r.seq for r in records]))
+
+    server = Limited()
+    agent = Agent("http://fake:1", name="n", cpus=1, gpus=0, memory=1, work_dir=tmp_path, zygote=False,
+                  server=server, launch_factory=Launches())
+    agent.outbox.put_records("L", "job-1", [wire.LogRecord(rank=0, seq=i, text="x") for i in range(1000)], [])
+    assert agent._deliver_batches() is True
+    assert all(len(seqs) <= 300 for _kind, _launch, seqs in server.events)
+    assert [seq for _kind, _launch, seqs in server.events for seq in seqs] == list(range(1000))
+    assert len(agent.outbox) == 0
+    agent.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchrelay.errors import InvalidSpec, InvalidStoragePath, StorageError
+from torchrelay.errors import InvalidPath, InvalidSpec
 from torchrelay.server.streams import MAX_ROW_ID, start_id
 from torchrelay.server.views import job_seq_of
 from torchrelay.storage.keys import bundle_key, validate_relative_path
@@ -36,7 +36,7 @@ def test_start_id(header, after, expected):
 @pytest.mark.parametrize("call, value", [(bundle_key, "0"), (bundle_key, "ZZ" * 32), (validate_relative_path, "../x"),
                                          (validate_relative_path, "/etc/passwd")])
 def test_a_bad_path_or_digest_is_the_requests_fault(call, value):
-    with pytest.raises(InvalidStoragePath) as refused:
+    with pytest.raises(InvalidPath) as refused:
         call(value)
-    assert refused.value.http_status == 422 and isinstance(refused.value, StorageError)
+    assert refused.value.http_status == 400
     assert repr(value) in str(refused.value)

@@ -2,7 +2,7 @@
 import pytest
 
 from torchrelay.errors import InvalidSpec
-from torchrelay.server.config import ServerConfig, load_server_config, parse_server_config
+from torchrelay.server.config import ServerConfig, UploadLimits, load_server_config, parse_server_config
 from torchrelay.storage.options import public_options
 
 
@@ -13,6 +13,9 @@ from torchrelay.storage.options import public_options
     ({"store": {"url": " s3://b/p "}}, ServerConfig(store_url="s3://b/p")),
     ({"store": {"options": {"region": "r"}}}, ServerConfig(store_options={"region": "r"})),
     ({"store": {"url": "s3://b", "options": None}}, ServerConfig(store_url="s3://b")),
+    ({"limits": {"bundle": "2GiB", "log_batch": 1024}},
+     ServerConfig(limits=UploadLimits(bundle=2 * 2**30, log_batch=1024))),
+    ({"limits": None, "store": "s3://b"}, ServerConfig(store_url="s3://b")),
 ])
 def test_parses(data, expected):
     assert parse_server_config(data, "f.yaml") == expected
@@ -25,6 +28,12 @@ def test_parses(data, expected):
     ({"store": 3}, "store must be a URL or a mapping"),
     ({"store": {"url": ""}}, "store.url must be a non-empty URL"),
     ({"store": {"url": "s3://b", "options": ["a"]}}, "store.options must be a mapping"),
+    ({"limits": {"artifacts": "1GiB"}}, "limits: unknown key 'artifacts'; known keys: bundle, artifact, "
+                                         "log_batch, metric_batch"),
+    ({"limits": {"bundle": "lots"}}, r"limits.bundle must be a size above 0 .* got 'lots'"),
+    ({"limits": {"bundle": 0}}, r"limits.bundle must be a size above 0"),
+    ({"limits": {"bundle": True}}, r"limits.bundle must be a size above 0"),
+    ({"limits": "1GiB"}, "limits must be a mapping with the keys bundle, artifact"),
 ])
 def test_refuses_naming_the_file_and_key(data, message):
     with pytest.raises(InvalidSpec, match=message) as raised:
@@ -54,3 +63,28 @@ def test_load_names_an_unreadable_or_bad_file(tmp_path):
 ])
 def test_only_named_public_options_reach_workers(options, expected):
     assert public_options(options) == expected
+
+
+@pytest.mark.parametrize("method, path, limit", [
+    ("POST", "/api/v1/bundles", "bundle"), ("PUT", "/api/v1/jobs/job-1/artifacts/a/b.pt", "artifact"),
+    ("POST", "/api/v1/jobs/job-1/logs", "log_batch"), ("POST", "/api/v1/jobs/job-1/metrics", "metric_batch"),
+    ("GET", "/api/v1/jobs/job-1/artifacts/a", None), ("POST", "/api/v1/jobs", None),
+    ("PUT", "/api/v1/jobs/job-1/artifacts/", None), ("POST", "/api/v1/jobs/job-1/logs/stream", None),
+])
+def test_which_limit_bounds_a_request(method, path, limit):
+    from torchrelay.server.uploads import limit_for
+
+    assert limit_for(method, path) == limit
+
+
+@pytest.mark.parametrize("name, limit, size, expected", [
+    ("artifact", 2**20, 2 * 2**20, "the artifact of 2 MiB is over the server's limit of 1 MiB (1048576 bytes); "
+                                   "the limits.artifact setting of the server config (relay server --config FILE) "
+                                   "raises it"),
+    ("log_batch", 65536, None, "the log batch is over the server's limit of 64 KiB (65536 bytes); "
+                               "the limits.log_batch setting"),
+])
+def test_the_413_message_names_the_limit_and_its_setting(name, limit, size, expected):
+    from torchrelay.server.uploads import too_large_message
+
+    assert too_large_message(name, limit, size).startswith(expected)

@@ -6,7 +6,7 @@ import errno
 import botocore.exceptions
 import pytest
 
-from torchrelay.errors import StorageError
+from torchrelay.errors import InvalidPath, StorageError
 from torchrelay.storage import keys
 from torchrelay.storage.conditional import (CHECK_THEN_WRITE_ONLY, Capabilities, EtagForm, FenceStep, Guarantee,
                                             S3ProbeOutcome, etag_for_if_match, fence_step, parse_attempt,
@@ -20,15 +20,26 @@ A, C = Guarantee.ATOMIC, Guarantee.CHECK_THEN_WRITE
 # ------------------------------------------------------------ keys
 
 @pytest.mark.parametrize("path, expected", [
-    ("model.pt", "model.pt"), ("a/b/../c.txt", "a/c.txt"), ("./x", "x"), ("a\\b", "a/b"),
+    ("model.pt", "model.pt"), ("a/b/c.txt", "a/b/c.txt"),
+    # refused, never repaired (the whole table is tests/unit/test_paths.py)
+    ("a/b/../c.txt", None), ("./x", None), ("a\\b", None),
     ("/abs", None), ("..", None), ("../x", None), ("a/../../x", None), ("", None), (".", None),
 ])
 def test_relative_paths(path, expected):
     if expected is None:
-        with pytest.raises(StorageError, match="must be relative"):
+        with pytest.raises(InvalidPath, match="is refused"):
             keys.validate_relative_path(path)
+        with pytest.raises(InvalidPath, match="is refused"):
+            keys.artifact_key("job-1", path)
     else:
         assert keys.validate_relative_path(path) == expected
+        assert keys.artifact_key("job-1", path) == f"jobs/job-1/artifacts/{expected}"
+
+
+@pytest.mark.parametrize("job_id", ["..", "a/b", "", "job-1/../job-2", "%2e%2e"])
+def test_job_ids_are_one_plain_name(job_id):
+    with pytest.raises(InvalidPath, match="job id"):
+        keys.job_prefix(job_id)
 
 
 @pytest.mark.parametrize("digest, ok", [("a" * 64, True), ("A" * 64, False), ("a" * 63, False), ("", False),
@@ -37,7 +48,7 @@ def test_bundle_keys(digest, ok):
     if ok:
         assert keys.bundle_key(digest) == f"bundles/{digest}.tar.gz"
     else:
-        with pytest.raises(StorageError, match="not a sha256"):
+        with pytest.raises(InvalidPath, match="sha256"):
             keys.bundle_key(digest)
 
 

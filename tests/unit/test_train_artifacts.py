@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchrelay.train as rt
-from torchrelay.errors import InvalidSpec, StorageError
+from torchrelay.errors import InvalidPath, InvalidSpec
 from torchrelay.train.artifacts import store_location
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,7 +67,61 @@ def test_save_artifact_refuses_a_missing_local_file(out, tmp_path):
         rt.save_artifact("x.txt", str(tmp_path / "nope.txt"))
 
 
-@pytest.mark.parametrize("path", ["../escape.pt", "/abs.pt", "a/../../b"])
+@pytest.mark.parametrize("path", ["../escape.pt", "/abs.pt", "a/../../b", "a%2f..%2fb", "a\\b"])
 def test_save_artifact_refuses_paths_leaving_the_job(out, path):
-    with pytest.raises(StorageError, match="must be relative"):
+    with pytest.raises(InvalidPath, match="is refused"):
         rt.save_artifact(path, b"x")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage under two names
+
+
+@pytest.mark.parametrize("how", ["module-by-suffix", "state-dict-by-format"])
+def test_save_artifact_as_safetensors_loads_without_pickle(out, how):
+    from safetensors.torch import load_file
+
+    model = _Tied()
+    if how == "module-by-suffix":
+        rt.save_artifact("model.safetensors", model)
+        path = out / "model.safetensors"
+    else:
+        rt.save_artifact("weights.bin", model.state_dict(), format="safetensors")
+        path = out / "weights.bin"
+    assert path.read_bytes()[8:9] == b"{"  # a JSON header after its length, not a zip or a pickle
+    loaded = load_file(str(path))
+    assert loaded.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor)
+    fresh = _Tied()
+    fresh.load_state_dict(loaded)
+    assert torch.equal(fresh.head.weight, model.head.weight)
+
+
+def test_save_artifact_safetensors_refuses_what_it_cannot_hold(out):
+    with pytest.raises(InvalidSpec, match=r"'step' is of type int, not a tensor; safetensors holds tensors only"):
+        rt.save_artifact("m.safetensors", {"w": torch.ones(2), "step": 3})
+    with pytest.raises(InvalidSpec, match="takes a state dict or a module, got list"):
+        rt.save_artifact("m.bin", [torch.ones(2)], format="safetensors")
+    with pytest.raises(InvalidSpec, match="format 'pickle' is not one of 'torch', 'safetensors'"):
+        rt.save_artifact("m.bin", {"w": torch.ones(2)}, format="pickle")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_bytes_named_safetensors_are_kept_as_they_are(out):
+    rt.save_artifact("given.safetensors", b"already serialized")
+    assert (out / "given.safetensors").read_bytes() == b"already serialized"
+
+
+def test_a_folder_with_a_name_the_store_refuses_writes_nothing(out, tmp_path):
+    folder = tmp_path / "run"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("a")
+    (folder / "sub" / "b#c.txt").write_text("b")
+    with pytest.raises(InvalidPath, match=r"'run/sub/b#c.txt' is refused: it holds '#'"):
+        rt.save_artifact("run", folder)
+    assert not (out / "run").exists()

@@ -6,7 +6,8 @@ Contract:
 - ``BundleCache.get(digest)``: the cached file, fetched if absent and refused (``ValueError``)
   unless its sha256 is ``digest``; one fetch at a time. Raises what ``fetch`` raises.
 - ``BundleCache.unpack(digest, run_dir)``: ``run_dir/code``, unpacked from the bundle (empty for
-  no bundle) with ``tarfile``'s ``data`` filter (nothing lands outside it); idempotent (a marker
+  no bundle) by ``torchrelay.unpack.extract_bundle`` (nothing lands outside it; a refused member
+  raises ``BundleRefused``, a ``ValueError`` naming it); idempotent (a marker
   says it is complete; a half-unpacked earlier try is removed first). Raises ``OSError``,
   ``tarfile.TarError``, ``ValueError`` and what ``fetch`` raises.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tarfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from torchrelay.unpack import extract_bundle
 
 
 class BundleCache:
@@ -58,7 +60,6 @@ class BundleCache:
             shutil.rmtree(code_dir)  # a half-unpacked earlier try
         code_dir.mkdir(parents=True)
         if digest:
-            with tarfile.open(self.get(digest), "r:gz") as tar:
-                tar.extractall(code_dir, filter="data")
+            extract_bundle(self.get(digest), code_dir)
         marker.touch()
         return code_dir

@@ -69,7 +69,7 @@ from torchrelay.agent.cgroups import AgentCgroups, CgroupError, CgroupUnavailabl
 from torchrelay.agent.gpus import GpuSlots
 from torchrelay.agent.launcher import Launch, has_launcher_process
 from torchrelay.agent.netif import check_advertised, transport_env
-from torchrelay.agent.outbox import Carrier, Entry, Outbox
+from torchrelay.agent.outbox import Carrier, Entry, EntryKind, Outbox
 from torchrelay.agent.processes import kill_launch_processes
 from torchrelay.agent.reach import ReachProbe
 from torchrelay.agent.reconcile import LaunchState, plan_reconcile
@@ -413,6 +413,18 @@ class Agent:
             except (ServerUnreachable, ServerRefused) as exc:
                 log.warning("cannot deliver statuses to %s: %s", self.address, exc)
 
+    def _post_halving(self, kind: EntryKind, job_id: str, launch_id: str, records: list) -> None:
+        """``post_records``; a batch over the server's size limit (413) is posted again in halves,
+        so that a server with a small ``limits.log_batch`` loses no line. Raises what it raises."""
+        try:
+            self.server.post_records(kind, job_id, launch_id, records)
+        except ServerRefused as exc:
+            if exc.status_code != 413 or len(records) < 2:
+                raise
+            half = len(records) // 2
+            self._post_halving(kind, job_id, launch_id, records[:half])
+            self._post_halving(kind, job_id, launch_id, records[half:])
+
     def _deliver_batches(self) -> bool:
         """Post the waiting log and metric batches, one launch and kind after the other, in
         order; False (all that is left kept) when the server could not be reached."""
@@ -424,8 +436,8 @@ class Agent:
             records = [record for entry in entries for record in entry.records]
             for start in range(0, len(records), MAX_RECORDS_PER_POST):
                 try:
-                    self.server.post_records(kind, entries[0].job_id, launch_id,
-                                             records[start:start + MAX_RECORDS_PER_POST])
+                    self._post_halving(kind, entries[0].job_id, launch_id,
+                                       records[start:start + MAX_RECORDS_PER_POST])
                 except (ServerUnreachable, ServerRefused) as exc:
                     if isinstance(exc, ServerRefused) and exc.status_code < 500:
                         # it forgot the job, or refuses it: sending it again will not help

@@ -16,6 +16,7 @@ import tarfile
 from pathlib import Path
 
 from torchrelay.errors import InvalidSpec
+from torchrelay.unpack import extract_bundle
 
 DEFAULT_IGNORES = (".git", ".hg", ".svn", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache",
                    ".mypy_cache", "node_modules", "relay-outputs", ".ipynb_checkpoints", "*.egg-info")
@@ -70,8 +71,7 @@ def pack_dir(root: str | Path, max_bytes: int = MAX_BUNDLE_BYTES) -> tuple[bytes
 
 
 def unpack(blob: bytes, dest: str | Path) -> None:
-    """Extract a bundle into ``dest``; refuses members that would land outside it."""
+    """Extract a bundle into ``dest``; refuses members that would land outside it (``BundleRefused``)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")
+    extract_bundle(io.BytesIO(blob), dest)

@@ -26,6 +26,7 @@ import httpx
 from torchrelay import tls
 from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
+from torchrelay.paths import safe_relative_path
 from torchrelay.client.replies import raise_for_error
 from torchrelay.client.streams import follow_stream
 from torchrelay.errors import Conflict, RelayError, ServerUnavailable
@@ -307,6 +308,7 @@ class RelayClient:
         for art in self.artifacts(job_id):
             if not art.path.startswith(prefix):
                 continue
+            safe_relative_path(art.path)  # what a server lists is checked too: InvalidPath
             target = (dest / art.path).resolve()
             if dest.resolve() not in target.parents:
                 raise RelayError(f"artifact path {art.path!r} would leave {dest}")

@@ -11,7 +11,6 @@ bring routers of their own.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Header, Query, Request
@@ -22,10 +21,12 @@ from fastapi.staticfiles import StaticFiles
 
 from torchrelay import __version__
 from torchrelay.errors import RelayError
-from torchrelay.server import longpoll, prometheus, streams, tensorboard
+from torchrelay.server import longpoll, prometheus, streams, tensorboard, uploads
+from torchrelay.server.config import UploadLimits
 from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_routes
 from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
+from torchrelay.storage import ArtifactStore
 from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo,
                              LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
                              SeriesPage, SubmitRequest)
@@ -33,10 +34,10 @@ from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, Hea
 MAX_WAIT_S = 60.0
 
 
-def create_app(service: ClusterService, lifecycle: Any = None) -> FastAPI:
+def create_app(service: ClusterService, lifecycle: Any = None, limits: UploadLimits | None = None) -> FastAPI:
     """The server app. The scheduler thread runs while the app is served; ``lifecycle`` (an
     object with ``start``/``stop``, e.g. ``leadership.Leadership``) starts and stops it instead
-    of the service itself."""
+    of the service itself. ``limits``: the most one upload may hold (413 past it; ``uploads``)."""
     owner = lifecycle or service
 
     exporter = tensorboard.Exporter(service)
@@ -54,6 +55,7 @@ def create_app(service: ClusterService, lifecycle: Any = None) -> FastAPI:
     app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
                   openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)
     app.state.service = service
+    app.add_middleware(uploads.BodyLimits, limits=limits or UploadLimits())
     _error_handlers(app)
     for routes in (_bundle_routes, _job_routes, _agent_routes, _stream_routes):
         app.include_router(routes(service))
@@ -95,10 +97,10 @@ def _bundle_routes(svc: ClusterService) -> APIRouter:
 
     @api.post("/bundles", response_model=BundleRef, status_code=201)
     async def upload_bundle(request: Request) -> BundleRef:
-        data = await request.body()
-        digest = hashlib.sha256(data).hexdigest()
-        await run_in_threadpool(svc.put_bundle, digest, data)
-        return BundleRef(digest=digest, size=len(data))
+        """Streamed to the store (never whole in memory); named by its sha256."""
+        async with uploads.spooled(request) as body:
+            await run_in_threadpool(svc.put_bundle_file, body.sha256, body.path)
+        return BundleRef(digest=body.sha256, size=body.size)
 
     @api.head("/bundles/{digest}")
     def has_bundle(digest: str) -> Response:
@@ -106,7 +108,7 @@ def _bundle_routes(svc: ClusterService) -> APIRouter:
 
     @api.get("/bundles/{digest}")
     def get_bundle(digest: str) -> Response:
-        return Response(content=svc.bundle(digest), media_type="application/gzip")
+        return uploads.stored_file(svc.store, ArtifactStore.bundle_key(digest), "application/gzip")
 
     return api
 
@@ -171,11 +173,16 @@ def _job_routes(svc: ClusterService) -> APIRouter:
 
     @api.get("/jobs/{job_id}/artifacts/{path:path}")
     def get_artifact(job_id: str, path: str) -> Response:
-        return Response(content=svc.artifact(job_id, path), media_type="application/octet-stream")
+        """Streamed; a path that is not plain or leaves the job's folder is a 400 naming it."""
+        return uploads.stored_file(svc.store, svc.artifact_key(job_id, path))
 
     @api.put("/jobs/{job_id}/artifacts/{path:path}", response_model=ArtifactInfo)
     async def put_artifact(job_id: str, path: str, request: Request) -> ArtifactInfo:
-        return await run_in_threadpool(svc.put_artifact, job_id, path, await request.body())
+        """Streamed to the store (never whole in memory); the path is checked before the body is read."""
+        key = await run_in_threadpool(svc.artifact_key, job_id, path)
+        async with uploads.spooled(request) as body:
+            await run_in_threadpool(svc.store.put_file, key, body.path)
+        return ArtifactInfo(path=path, size=body.size)
 
     @api.get("/nodes", response_model=list[NodeInfo])
     def list_nodes() -> list[NodeInfo]:

@@ -11,6 +11,15 @@ credentials; see torchrelay.storage.options and docs/storage.md)::
         access_key_id: RELAY
         secret_access_key: "…"
 
+``limits`` bounds what one request may upload (sizes in bytes or "1GiB", "512MB"; every key
+optional, ``UploadLimits`` below has the defaults)::
+
+    limits:
+      bundle: 1GiB          # a job's code bundle
+      artifact: 10GiB       # one artifact PUT
+      log_batch: 32MiB      # one batch of log lines an agent posts
+      metric_batch: 32MiB   # one batch of metric points
+
 ``store`` may also be the URL alone (``store: s3://relay/prod``). A ``--store`` flag given with
 the file replaces its URL and keeps its options. The file is read by the server only: the
 options that are not credentials (``public_options``) go to workers; secrets never leave it.
@@ -26,7 +35,21 @@ from typing import Any, Mapping
 
 from torchrelay.errors import InvalidSpec
 
-_TOP_KEYS = ("store",)
+_TOP_KEYS = ("store", "limits")
+GiB, MiB = 2**30, 2**20
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UploadLimits:
+    """The most bytes one request may upload, by kind (``torchrelay.server.uploads`` enforces them)."""
+
+    bundle: int = 1 * GiB
+    artifact: int = 10 * GiB
+    log_batch: int = 32 * MiB
+    metric_batch: int = 32 * MiB
+
+
+LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(UploadLimits))
 _STORE_KEYS = ("url", "options")
 
 
@@ -34,6 +57,7 @@ _STORE_KEYS = ("url", "options")
 class ServerConfig:
     store_url: str | None = None
     store_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    limits: UploadLimits = dataclasses.field(default_factory=UploadLimits)
 
 
 def parse_server_config(data: Any, source: str = "server config") -> ServerConfig:
@@ -44,9 +68,10 @@ def parse_server_config(data: Any, source: str = "server config") -> ServerConfi
         raise InvalidSpec(f"{source}: expected a mapping with the keys {', '.join(_TOP_KEYS)}, "
                           f"got {type(data).__name__}")
     _refuse_unknown(data, _TOP_KEYS, source)
+    limits = _parse_limits(data.get("limits"), source)
     store = data.get("store")
     if store is None:
-        return ServerConfig()
+        return ServerConfig(limits=limits)
     if isinstance(store, str):
         store = {"url": store}
     if not isinstance(store, dict):
@@ -60,7 +85,28 @@ def parse_server_config(data: Any, source: str = "server config") -> ServerConfi
     if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
         raise InvalidSpec(f"{source}: store.options must be a mapping of option names to values "
                           "(docs/storage.md lists them)")
-    return ServerConfig(store_url=url.strip() if url else None, store_options=dict(options))
+    return ServerConfig(store_url=url.strip() if url else None, store_options=dict(options), limits=limits)
+
+
+def _parse_limits(data: Any, source: str) -> UploadLimits:
+    from torchrelay.spec import parse_memory
+
+    if data is None:
+        return UploadLimits()
+    if not isinstance(data, dict):
+        raise InvalidSpec(f"{source}: limits must be a mapping with the keys {', '.join(LIMIT_NAMES)}, "
+                          f"got {type(data).__name__}")
+    _refuse_unknown(data, LIMIT_NAMES, f"{source}: limits")
+    sizes = {}
+    for name, value in data.items():
+        try:
+            sizes[name] = parse_memory(value)
+        except InvalidSpec:
+            sizes[name] = -1
+        if isinstance(value, bool) or sizes[name] <= 0:
+            raise InvalidSpec(f"{source}: limits.{name} must be a size above 0 (bytes, or e.g. '1GiB', "
+                              f"'512MB'), got {value!r}")
+    return UploadLimits(**sizes)
 
 
 def load_server_config(path: str | Path) -> ServerConfig:

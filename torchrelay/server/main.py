@@ -129,7 +129,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
     service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
     leadership = Leadership(service, (advertise or address).rstrip("/"))
-    app = create_app(service, lifecycle=leadership)
+    app = create_app(service, lifecycle=leadership, limits=config.limits if config else None)
     leadership.guard(app)
     relays = [EventRelay(url, service.engine, active=lambda: leadership.is_leader) for url in sink_urls]
     for relay in relays:

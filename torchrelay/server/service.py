@@ -38,7 +38,7 @@ from torchrelay.server.scheduling import queue_rows
 from torchrelay.server.submissions import Submissions
 from torchrelay.spec import JobState
 from torchrelay.storage import ArtifactStore
-from torchrelay.storage.keys import validate_relative_path
+from torchrelay.storage.keys import checkpoint_file_key
 from torchrelay.wire import (ArtifactInfo, EventRecord, Heartbeat, HeartbeatReply, JobInfo, LaunchStatus, LogBatch, LogPage,
                              MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply)
 
@@ -208,6 +208,10 @@ class ClusterService:
         if not self.store.exists(key):
             self.store.put_bytes(key, data)
 
+    def put_bundle_file(self, digest: str, local_path: str) -> None:
+        """``put_bundle`` from a local file, streamed (``uploads``)."""
+        return None if self.has_bundle(digest) else self.store.put_file(ArtifactStore.bundle_key(digest), local_path)
+
     def has_bundle(self, digest: str) -> bool:
         return self.store.exists(ArtifactStore.bundle_key(digest))
 
@@ -236,11 +240,14 @@ class ClusterService:
 
     def checkpoint_file(self, job_id: str, path: str) -> bytes:
         """One checkpoint file's bytes. Raises NotFound, StorageError (a path leaving the folder)."""
-        prefix = ArtifactStore.checkpoint_prefix(self._known(job_id))
-        return self.store.get_bytes(f"{prefix}/{validate_relative_path(path)}")
+        return self.store.get_bytes(self.checkpoint_key(job_id, path))
+
+    def checkpoint_key(self, job_id: str, path: str) -> str:
+        """Where the job's checkpoint file ``path`` lies. Raises NotFound, InvalidPath."""
+        return checkpoint_file_key(self._known(job_id), path)
 
     def artifact_key(self, job_id: str, path: str) -> str:
-        """Where the job's artifact ``path`` is stored. Raises NotFound, StorageError (a bad path)."""
+        """Where the job's artifact ``path`` is stored. Raises NotFound, InvalidPath (``torchrelay.paths``)."""
         return ArtifactStore.artifact_key(self._known(job_id), path)
 
     def _known(self, job_id: str) -> str:

@@ -7,37 +7,40 @@ Pure: no I/O. Layout::
     jobs/<job_id>/checkpoints/<name>/...    checkpoints (see torchrelay.train.checkpoint)
     jobs/<job_id>/ATTEMPT                   the job's current attempt (decimal text): the fence
 
-Every function raises ``StorageError`` for a value that would leave its folder.
+Every function raises ``InvalidPath`` (HTTP 400) for a value that would leave its folder or is
+not a plain name: the rule is ``torchrelay.paths``.
 """
 from __future__ import annotations
 
-import posixpath
-
-from torchrelay.errors import InvalidStoragePath
+from torchrelay.errors import InvalidPath
+from torchrelay.paths import safe_digest, safe_relative_path
 
 TEMP_MARK = ".tmp-"  # in the name of a file being written; listings skip it
 
 
-def validate_relative_path(path: str) -> str:
-    """``path`` normalised; raises ``InvalidStoragePath`` (a ``StorageError``) if it is absolute or climbs out ('..')."""
-    norm = posixpath.normpath(path.replace("\\", "/")).lstrip("/") if path else ""
-    if not norm or norm == "." or norm.startswith("..") or "/../" in f"/{norm}/" or path.startswith("/"):
-        raise InvalidStoragePath(f"artifact path {path!r} must be relative and stay inside the job's folder")
-    return norm
+def validate_relative_path(path: str, what: str = "artifact path") -> str:
+    """``path`` unchanged if it is a plain relative path that stays in its folder; raises
+    ``InvalidPath`` otherwise (the rule is ``torchrelay.paths.safe_relative_path``)."""
+    return safe_relative_path(path, what)
 
 
 def bundle_key(digest: str) -> str:
-    if not digest or not all(c in "0123456789abcdef" for c in digest) or len(digest) != 64:
-        raise InvalidStoragePath(f"bundle digest {digest!r} is not a sha256 hex string")
-    return f"bundles/{digest}.tar.gz"
+    return f"bundles/{safe_digest(digest)}.tar.gz"
 
 
 def job_prefix(job_id: str) -> str:
-    return f"jobs/{job_id}"
+    if "/" in str(job_id):
+        raise InvalidPath(f"job id {job_id!r} is refused: a job id is one name (job-N), without '/'")
+    return f"jobs/{safe_relative_path(job_id, 'job id')}"
 
 
 def artifact_key(job_id: str, path: str) -> str:
     return f"{job_prefix(job_id)}/artifacts/{validate_relative_path(path)}"
+
+
+def checkpoint_file_key(job_id: str, path: str) -> str:
+    """Where the file ``path`` (relative to the job's checkpoint folder) lies."""
+    return f"{checkpoint_prefix(job_id)}/{validate_relative_path(path, 'checkpoint path')}"
 
 
 def attempt_key(job_id: str) -> str:

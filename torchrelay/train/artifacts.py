@@ -10,8 +10,11 @@ Contract:
 - ``save_artifact(path, obj)`` writes ``obj`` at ``jobs/<job>/artifacts/<path>`` atomically and
   returns its URL: ``bytes`` as they are, a local file (``str``/``os.PathLike`` that exists)
   copied, a local directory copied file by file below ``path``, anything else (tensors, state
-  dicts) through ``torch.save``. It writes from whichever rank calls it: call it on
-  ``ctx.is_main`` for a shared model. Raises ``StorageError`` naming the path and the cause.
+  dicts) through ``torch.save``, or as safetensors with ``format="safetensors"`` (the default
+  for a path ending in ``.safetensors``: nothing runs when it is loaded). It writes from
+  whichever rank calls it: call it on ``ctx.is_main`` for a shared model. Raises
+  ``InvalidPath`` for a path that is not plain (``torchrelay.paths``), ``StorageError`` naming
+  the path and the cause.
 - ``artifact_url(path)`` is the URL ``save_artifact(path, …)`` writes to (no I/O).
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from torchrelay.errors import InvalidSpec, StorageError
-from torchrelay.storage import ArtifactStore, validate_relative_path
+from torchrelay.storage import ArtifactStore
 
 LOCAL_JOB_ID = "local"
 DEFAULT_OUTPUT_DIR = "relay-outputs"
@@ -86,25 +89,38 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def save_artifact(path: str, obj: Any) -> str:
+def save_artifact(path: str, obj: Any, *, format: str | None = None) -> str:  # noqa: A002
     """Write ``obj`` as the job's artifact ``path`` (atomic per file); returns its URL.
 
-    Raises ``StorageError`` (bad path, unwritable store) or ``FileNotFoundError`` for a
-    ``str``/``PathLike`` naming no local file.
+    ``format="safetensors"`` (the default for a ``path`` ending in ``.safetensors``) writes a
+    state dict (or an ``nn.Module``'s) of tensors as safetensors: loading it runs no code, unlike
+    a pickle. ``format="torch"`` (the default for other objects) uses ``torch.save``.
+    Raises ``InvalidPath`` (a path that is not plain or leaves the job's folder), ``StorageError``
+    (unwritable store), ``InvalidSpec`` (an unknown format, or a value safetensors cannot hold)
+    or ``FileNotFoundError`` for a ``str``/``PathLike`` naming no local file.
     """
     store, job_id = job_store()
     key = ArtifactStore.artifact_key(job_id, path)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
+    if format is None and path.endswith(".safetensors") and not isinstance(obj, (bytes, bytearray, memoryview,
+                                                                                 str, os.PathLike)):
+        format = "safetensors"
+    if format not in (None, "torch", "safetensors"):
+        raise InvalidSpec(f"save_artifact({path!r}): format {format!r} is not one of 'torch', 'safetensors'")
+    if format == "safetensors":
+        store.put_bytes(key, safetensors_bytes(obj, path))
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
         store.put_bytes(key, bytes(obj))
     elif isinstance(obj, (str, os.PathLike)):
         local = os.fspath(obj)
         if os.path.isdir(local):
+            # every name checked before the first write: a refused one leaves nothing half copied
+            keyed = []
             for folder, _dirs, files in os.walk(local):
-                for name in sorted(files):
-                    full = os.path.join(folder, name)
+                for full in (os.path.join(folder, name) for name in sorted(files)):
                     rel = os.path.relpath(full, local).replace(os.sep, "/")
-                    store.put_bytes(ArtifactStore.artifact_key(job_id, f"{validate_relative_path(path)}/{rel}"),
-                                    _read_local(full))
+                    keyed.append((ArtifactStore.artifact_key(job_id, f"{path}/{rel}"), full))
+            for file_key, full in keyed:
+                store.put_bytes(file_key, _read_local(full))
         elif os.path.isfile(local):
             store.put_bytes(key, _read_local(local))
         else:
@@ -113,6 +129,29 @@ def save_artifact(path: str, obj: Any) -> str:
     else:
         store.put_bytes(key, serialize(obj))
     return store.url_of(key)
+
+
+def safetensors_bytes(obj: Any, path: str = "model.safetensors") -> bytes:
+    """``obj`` (a state dict of tensors, or an ``nn.Module``) in the safetensors format. Tensors
+    that share memory (tied weights) are copied apart. Raises ``InvalidSpec`` naming a value that
+    is not a tensor."""
+    from safetensors.torch import save
+
+    state = obj.state_dict() if isinstance(obj, torch.nn.Module) else obj
+    if not isinstance(state, dict):
+        raise InvalidSpec(f"save_artifact({path!r}, format='safetensors') takes a state dict or a module, "
+                          f"got {type(obj).__name__}")
+    tensors, seen = {}, set()
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise InvalidSpec(f"save_artifact({path!r}, format='safetensors'): {name!r} is of type "
+                              f"{type(value).__name__}, not a tensor; safetensors holds tensors only "
+                              "(save other values as JSON beside it)")
+        tensor = value.detach().cpu().contiguous()
+        storage = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        tensors[str(name)] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return save(tensors)
 
 
 def _read_local(path: str) -> bytes:

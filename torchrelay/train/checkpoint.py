@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from torchrelay.errors import CheckpointCorrupt, NotFound, StaleAttempt, StorageError
+from torchrelay.errors import CheckpointCorrupt, InvalidPath, NotFound, StaleAttempt, StorageError
 from torchrelay.spec import CheckpointPolicy
 from torchrelay.storage import ArtifactStore, describe_os_error, validate_relative_path
 from torchrelay.train.artifacts import job_store
@@ -129,7 +129,7 @@ def parse_manifest(name: str, manifest_bytes: bytes) -> dict[str, tuple[str, int
             if validate_relative_path(file_name) != file_name or "/" in file_name:
                 raise ValueError
             out[file_name] = (str(entry["sha256"]), int(entry["size"]))
-        except (StorageError, KeyError, TypeError, ValueError):
+        except (StorageError, InvalidPath, KeyError, TypeError, ValueError):
             raise CheckpointCorrupt(f"{MANIFEST} entry {file_name!r} is malformed") from None
     return out
 

@@ -31,8 +31,8 @@ Contract:
 - ``step_done(steps_done)``: at a step boundary; admits waiting joiners when the group agreed
   to (the decision rides in the gradient all-reduce: no extra collective per step).
 - ``needs_sync`` / ``sync_state(state)``: after a change every member calls ``sync_state`` with
-  its state (bytes of anything ``torch.save`` takes; a joiner passes None) and gets the source
-  member's back. ``batch_range(num_samples, global_batch, step)``: this member's samples.
+  its state (tensors, state dicts and plain values: it is loaded with ``weights_only=True``; a
+  joiner passes None) and gets the source member's back. ``batch_range(num_samples, global_batch, step)``: this member's samples.
 - ``history``: the ``elastic_plan.Membership`` of every epoch this member was in.
 """
 from __future__ import annotations
@@ -246,4 +246,5 @@ class ElasticGroup:
             torch.empty(int(length.item()), dtype=torch.uint8)
         self._pg.broadcast(data, root).wait()
         self.needs_sync = False
-        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+        # weights_only: state dicts, tensors and plain values load; nothing a peer sends can run code here
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)

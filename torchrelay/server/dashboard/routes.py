@@ -11,6 +11,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
 
+from torchrelay.server import uploads
 from torchrelay.server.service import ClusterService
 from torchrelay.wire import API_PREFIX, ArtifactInfo
 
@@ -35,7 +36,8 @@ def dashboard_routes(svc: ClusterService) -> APIRouter:
 
     @api.get("/jobs/{job_id}/checkpoints/{path:path}")
     def get_checkpoint_file(job_id: str, path: str) -> Response:
-        return Response(content=svc.checkpoint_file(job_id, path), media_type="application/octet-stream")
+        """Streamed; a path that is not plain or leaves the checkpoint folder is a 400 naming it."""
+        return uploads.stored_file(svc.store, svc.checkpoint_key(job_id, path))
 
     pages.include_router(api)
     return pages

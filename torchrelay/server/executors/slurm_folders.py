@@ -8,7 +8,8 @@ every node's launch id and the code folder: what ``torchrelay.agent.slurm_step``
 Contract:
 - ``unpack_code(code_dir, bundle)``: the bundle's files in ``code_dir`` (an empty folder when
   there is none), unpacked beside it and renamed into place, so a folder that exists is
-  whole. Idempotent. Raises ``OSError``, ``tarfile.TarError``.
+  whole. Idempotent. Raises ``OSError``, ``tarfile.TarError``, ``BundleRefused`` (a member
+  that would land outside it).
 - ``write_launch_plan(attempt_dir, assignment, launch_ids, code_dir)``: writes ``launch.json``.
 - ``read_exit(path)``: the ``ExitRecord`` there, or None while there is none (or it is torn).
 - ``RecordTail().read(path)``: the log and metric records appended since the last read (a
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 from pathlib import Path
 
 from torchrelay.server.executors.slurm_status import ExitRecord
+from torchrelay.unpack import extract_bundle
 from torchrelay.wire import LaunchAssignment, LaunchStatus, LogRecord, MetricRecord
 
 
@@ -31,9 +32,8 @@ def unpack_code(code_dir: Path, bundle: bytes | None) -> None:
     staging = code_dir.with_name(code_dir.name + ".partial")
     staging.mkdir(parents=True, exist_ok=True)
     if bundle is not None:
-        # as the agent unpacks it (torchrelay.agent.bundles), which the server may not import
-        with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
-            tar.extractall(staging, filter="data")
+        # as the agent unpacks it (torchrelay.agent.bundles): nothing lands outside ``staging``
+        extract_bundle(io.BytesIO(bundle), staging)
     staging.rename(code_dir)
 
 
