@@ -200,17 +200,19 @@ class ArtifactInfo(_Model):
 
 
 class NodeRegistration(_Model):
-    name: str
-    address: str = Field(description="host other nodes reach this node's workers at")
-    cpus: float
-    gpus: int = 0
-    gpu_type: str | None = None
-    memory: int = Field(description="bytes")
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x1f\x7f]+$")
+    address: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x20\x7f/]+$",
+                         description="host other nodes reach this node's workers at")
+    cpus: float = Field(ge=0, le=1 << 20)
+    gpus: int = Field(default=0, ge=0, le=1 << 16)
+    gpu_type: str | None = Field(default=None, max_length=200)
+    memory: int = Field(ge=0, le=(1 << 63) - 1, description="bytes")
     labels: dict[str, str] = Field(default_factory=dict)
-    node_id: str | None = Field(default=None, description="set when re-registering after a restart")
-    probe_port: int | None = Field(default=None, description="where the agent's reach probe listens on address "
+    node_id: str | None = Field(default=None, max_length=200, description="set when re-registering after a restart")
+    probe_port: int | None = Field(default=None, ge=1, le=65535,
+                                   description="where the agent's reach probe listens on address "
                                    "(the server connects before calling the node ready)")
-    probe_token: str | None = Field(default=None, description="what the probe answers with")
+    probe_token: str | None = Field(default=None, max_length=200, description="what the probe answers with")
 
 
 def reach_greeting(token: str) -> bytes:

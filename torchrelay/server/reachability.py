@@ -36,8 +36,8 @@ def problem_of(reg: NodeRegistration, timeout_s: float = 3.0) -> str | None:
                 if not chunk:
                     break
                 got += chunk
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
+    except (OSError, ValueError, UnicodeError) as exc:  # ValueError/UnicodeError: a name no resolver takes
+        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
         return (f"unreachable: the server cannot connect to {where} ({reason}); other hosts must reach "
                 f"{reg.address} for this node's workers to join a job: check the agent's --host and the "
                 "firewall, then restart the agent")
