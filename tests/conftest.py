@@ -48,6 +48,29 @@ def kill_group(pgid: int, grace_s: float = 5.0) -> None:
         pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def relay_config_dir(tmp_path_factory):
+    """The client's config dir (``relay login``'s credentials) of the whole session: never the
+    user's own ``~/.config``."""
+    path = tmp_path_factory.mktemp("relay-config")
+    saved = os.environ.get("RELAY_CONFIG_DIR")
+    os.environ["RELAY_CONFIG_DIR"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("RELAY_CONFIG_DIR", None)
+    else:
+        os.environ["RELAY_CONFIG_DIR"] = saved
+
+
+def bearer(address: str) -> dict[str, str]:
+    """The ``Authorization`` header a test's own HTTP call to ``address`` sends: the token the
+    client would use there (the admin's, for a server a fixture started)."""
+    from torchrelay.client.credentials import token_for
+
+    token = token_for(address)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 @pytest.fixture
 def relay_home(tmp_path, monkeypatch):
     home = tmp_path / "relay-home"
@@ -76,12 +99,25 @@ def serving(home: Path):
             assert proc.poll() is None, (home / "server.log").read_text()
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
+        _login_as_admin(home, info["address"])
         yield info["address"]
     finally:
         kill_group(proc.pid)
         proc.wait(timeout=10)
         log.close()
         assert group_members(proc.pid) == []
+
+
+def _login_as_admin(home: Path, address: str) -> None:
+    """What `relay login` would do with the admin token the server wrote in ``home``."""
+    from torchrelay.client.credentials import store_token
+    from torchrelay.home import admin_token_file
+
+    deadline = time.monotonic() + 30
+    while not admin_token_file(home).exists():
+        assert time.monotonic() < deadline, f"the server wrote no {admin_token_file(home)}"
+        time.sleep(0.05)
+    store_token(address, admin_token_file(home).read_text().strip())
 
 
 @pytest.fixture

@@ -101,6 +101,10 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
         "RELAY_LAUNCH_DIR": os.path.abspath(run_dir),
         "PYTHONUNBUFFERED": "1",
     })
+    if assignment.worker_token:  # valid for this job's attempt only: what a worker may send the server
+        env["RELAY_TOKEN"] = assignment.worker_token
+    else:
+        env.pop("RELAY_TOKEN", None)  # never a token of the agent's own environment
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env

@@ -32,9 +32,13 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
                                       help="enforce the offer and each launch's cpu and memory with cgroups: "
                                       "auto (when root and mounted; the default), on, off"),
           cgroup_parent: str = typer.Option(None, "--cgroup-parent",
-                                            help="the cgroup the agent's own goes under (default: its own)")) -> None:
+                                            help="the cgroup the agent's own goes under (default: its own)"),
+          enroll_token: str = typer.Option(None, "--enroll-token", envvar="RELAY_ENROLL_TOKEN",
+                                           help="a node enrolment token (`relay node enroll-token`); needed at the "
+                                           "first start only: the agent keeps the credential it gets in its work dir")) -> None:
     """Run an agent: register with the server, start and watch this node's workers."""
     from torchrelay.agent.daemon import Agent
+    from torchrelay.client.credentials import local_admin_token
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
@@ -45,7 +49,9 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
         node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,
                      memory=parse_memory(memory) if memory else None,
                      work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote,
-                     cgroups=cgroups, cgroup_parent=cgroup_parent)
+                     cgroups=cgroups, cgroup_parent=cgroup_parent,
+                     # an agent of this machine's own embedded server may enrol with its admin token
+                     enroll_token=enroll_token or local_admin_token(address))
     except ValueError as exc:
         fail(str(exc))
     stop = threading.Event()
