@@ -81,14 +81,14 @@ def relay_home(tmp_path, monkeypatch):
 
 
 @contextlib.contextmanager
-def serving(home: Path):
-    """A real `relay server --port 0` process with ``RELAY_HOME=home``; yields its address."""
+def serving(home: Path, args: tuple[str, ...] = ()):
+    """A real `relay server --port 0` process with ``RELAY_HOME=home`` (and ``args``); yields its address."""
     from torchrelay.home import read_json, server_file
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAY_HOME": str(home)}
     env.pop("RELAY_ADDRESS", None)
     log = open(home / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "server", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "server", "--port", "0", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 30

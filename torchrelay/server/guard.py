@@ -146,7 +146,7 @@ async def _principal(guard: Guard, request: Request) -> Principal:
     addr = request.client.host if request.client else "?"
     now = time.monotonic()
     if guard.limiter.blocked(addr, now):
-        raise TooManyAttempts(f"too many bad tokens from {addr}: more than {guard.limiter.limit - 1} in "
+        raise TooManyAttempts(f"too many bad tokens from {addr}: the limit is {guard.limiter.limit} bad tokens per "
                               f"{guard.limiter.window_s:g} s; retry in {guard.limiter.retry_after(addr, now):.0f} s")
     try:
         return await run_in_threadpool(guard.credentials.principal_of, text)
