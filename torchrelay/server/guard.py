@@ -82,8 +82,9 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/v1/events/stream"): _r(USER),  # a user's own jobs' events; an admin's: all
     ("POST", "/api/v1/nodes/register"): _r(ENROLL, NODE, ADMIN),
     ("POST", "/api/v1/nodes/{node_id}/heartbeat"): _r(NODE),
-    ("POST", "/api/v1/jobs/{job_id}/logs"): _r(NODE),
-    ("POST", "/api/v1/jobs/{job_id}/metrics"): _r(NODE, WORKER),
+    # an admin too: tools that replay or import a job's records
+    ("POST", "/api/v1/jobs/{job_id}/logs"): _r(NODE, ADMIN),
+    ("POST", "/api/v1/jobs/{job_id}/metrics"): _r(NODE, WORKER, ADMIN),
     ("GET", "/api/v1/whoami"): _r(USER, NODE, WORKER, ENROLL),
     ("GET", "/api/v1/users"): _r(ADMIN),
     ("POST", "/api/v1/users"): _r(ADMIN),

@@ -38,7 +38,7 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
                                            "first start only: the agent keeps the credential it gets in its work dir")) -> None:
     """Run an agent: register with the server, start and watch this node's workers."""
     from torchrelay.agent.daemon import Agent
-    from torchrelay.client.credentials import local_admin_token
+    from torchrelay.client.credentials import token_for
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
@@ -50,8 +50,9 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
                      memory=parse_memory(memory) if memory else None,
                      work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote,
                      cgroups=cgroups, cgroup_parent=cgroup_parent,
-                     # an agent of this machine's own embedded server may enrol with its admin token
-                     enroll_token=enroll_token or local_admin_token(address))
+                     # without an enrolment token: an admin's token, as the relay CLI would send it to this
+                     # server (RELAY_TOKEN, the embedded cluster's own, what `relay login` stored)
+                     enroll_token=enroll_token or token_for(address))
     except ValueError as exc:
         fail(str(exc))
     stop = threading.Event()
