@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from logins import bearer, login_as_admin as _login_as_admin  # noqa: F401 - for the tests
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -62,15 +64,6 @@ def relay_config_dir(tmp_path_factory):
         os.environ["RELAY_CONFIG_DIR"] = saved
 
 
-def bearer(address: str) -> dict[str, str]:
-    """The ``Authorization`` header a test's own HTTP call to ``address`` sends: the token the
-    client would use there (the admin's, for a server a fixture started)."""
-    from torchrelay.client.credentials import token_for
-
-    token = token_for(address)
-    return {"authorization": f"Bearer {token}"} if token else {}
-
-
 @pytest.fixture
 def relay_home(tmp_path, monkeypatch):
     home = tmp_path / "relay-home"
@@ -106,18 +99,6 @@ def serving(home: Path, args: tuple[str, ...] = ()):
         proc.wait(timeout=10)
         log.close()
         assert group_members(proc.pid) == []
-
-
-def _login_as_admin(home: Path, address: str) -> None:
-    """What `relay login` would do with the admin token the server wrote in ``home``."""
-    from torchrelay.client.credentials import store_token
-    from torchrelay.home import admin_token_file
-
-    deadline = time.monotonic() + 30
-    while not admin_token_file(home).exists():
-        assert time.monotonic() < deadline, f"the server wrote no {admin_token_file(home)}"
-        time.sleep(0.05)
-    store_token(address, admin_token_file(home).read_text().strip())
 
 
 @pytest.fixture

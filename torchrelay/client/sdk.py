@@ -101,6 +101,10 @@ class RelayClient:
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         extra = {"timeout": timeout} if timeout is not None else {}
+        if not self.token:  # a client made before its server first started (and wrote its token)
+            self.token = token_for(self._servers.current)
+            if self.token:
+                self._http.headers["authorization"] = f"Bearer {self.token}"
         patience = time.monotonic() + LEADER_WAIT_S
         tries = len(self._servers.addresses) + 1
         while True:  # each server once (no answer), a leader named, and a takeover's wait
