@@ -9,7 +9,9 @@ naming who asked for it) before anything starts. ``stop_cluster`` ends them (SIG
 group, SIGKILL after a grace) and is idempotent. Nothing is left running; nothing outside
 ``RELAY_HOME`` is touched. Its server makes the first admin at its first start
 (``<RELAY_HOME>/admin.token``), which the client then uses for this address by itself
-(``credentials``); the cluster enrols its agents with an enrolment token it makes with it.
+(``credentials``), and so does a client of a cluster whose home is another folder: the token is
+stored for its address as `relay login` would, until ``stop_cluster`` forgets it. The cluster
+enrols its agents with an enrolment token it makes with it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from torchrelay.client.address import LOCAL_HOST, ListenPlan
+from torchrelay.client.credentials import forget_token, store_token
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import Conflict, ServerUnavailable
 from torchrelay.home import admin_token_file, cluster_file, read_json, relay_home, server_file, write_json
@@ -113,6 +116,9 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:
         address = _wait_for_server(home, server, timeout_s)
+        store_token(address, _admin_token(home, address))
+        write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
+                                        "started_at": time.time()})
         enrolment = {"RELAY_ENROLL_TOKEN": _enroll_token(home, address)} if agents else {}
         for i in range(agents):
             argv = [*cli, "agent", "--address", address, "--name", f"agent-{i}",
@@ -201,6 +207,8 @@ def stop_cluster(home: Path | None = None, grace_s: float = 10.0) -> bool:
             _reap(pid)
     cluster_file(home).unlink(missing_ok=True)
     server_file(home).unlink(missing_ok=True)
+    if info.get("address"):
+        forget_token(info["address"])
     return ran
 
 

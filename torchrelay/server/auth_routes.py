@@ -96,7 +96,8 @@ def auth_routes(creds: Credentials) -> APIRouter:
         """The dashboard's sign-in: the request's bearer token becomes an HttpOnly, SameSite=Strict
         cookie, which the pages' fetches and EventSources then send."""
         resp = Response(status_code=204)
-        resp.set_cookie(COOKIE, token_of(request) or "", httponly=True, samesite="strict", path="/")
+        resp.set_cookie(COOKIE, token_of(request) or "", httponly=True, samesite="strict", path="/",
+                        secure=request.url.scheme == "https")
         return resp
 
     return api
