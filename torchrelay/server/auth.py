@@ -10,7 +10,10 @@ Contract (no HTTP here; ``guard`` turns a request into a ``Principal`` through t
   (``add_user``, ``users``, ``remove_user``), tokens (``create_token``, ``tokens``, ``revoke``)
   and ``principal_of(text)``, which raises ``Unauthenticated`` for a text that is unknown,
   revoked, expired, of a removed user or of an attempt that ended. Each call is one short
-  transaction (writes under the store's writer lock); no network.
+  transaction (writes under the store's writer lock); no network. A user's or node's token
+  checked in the last ``CACHE_S`` seconds is answered from memory; every revocation or removal
+  here empties that memory, so a revoked token fails at once (worker tokens are never cached:
+  their attempt may end at any moment).
 - Errors name the offending value: ``InvalidSpec`` (a bad user name or role), ``NotFound``,
   ``Conflict`` (a user that exists).
 """
@@ -22,6 +25,8 @@ import hashlib
 import hmac
 import re
 import secrets
+import threading
+import time
 from typing import Any, Callable
 
 from sqlalchemy import select
@@ -33,6 +38,7 @@ from torchrelay.spec import JobState
 USER, ENROLL, NODE, WORKER = "user", "enroll", "node", "worker"
 PREFIX = {USER: "rlu_", ENROLL: "rle_", NODE: "rln_", WORKER: "rlw_"}
 ROLES = ("admin", "user")
+CACHE_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
 
@@ -74,6 +80,12 @@ class Credentials:
         self.db = db
         self.clock = clock
         self._secret: bytes | None = None
+        self._cache: dict[str, tuple[Principal, float | None, float]] = {}  # digest -> (who, expires_at, cached at)
+        self._cache_lock = threading.Lock()
+
+    def _forget(self) -> None:
+        with self._cache_lock:
+            self._cache.clear()
 
     # ------------------------------------------------------------ users
 
@@ -109,6 +121,7 @@ class Credentials:
             for token in rows.s.scalars(select(TokenRow).where(TokenRow.user_name == name)):
                 token.revoked_at = token.revoked_at or self.clock()
             rows.s.delete(user)
+        self._forget()
 
     # ------------------------------------------------------------ tokens
 
@@ -152,12 +165,14 @@ class Credentials:
             if row is None:
                 raise NotFound(f"token {token_id!r} does not exist; `relay token ls` lists them")
             row.revoked_at = row.revoked_at or self.clock()
+        self._forget()
 
     def revoke_node(self, node_id: str) -> None:
         """Revoke the credentials a node holds (it enrols again, e.g. after a restart without them)."""
         with self.db.write() as rows:
             for row in rows.s.scalars(select(TokenRow).where(TokenRow.node_id == node_id)):
                 row.revoked_at = row.revoked_at or self.clock()
+        self._forget()
 
     # ------------------------------------------------------------ checks
 
@@ -166,6 +181,18 @@ class Credentials:
         if text.startswith(PREFIX[WORKER]):
             return self._worker(text)
         digest = digest_of(text)
+        with self._cache_lock:
+            hit = self._cache.get(digest)
+        if hit is not None and time.monotonic() - hit[2] < CACHE_S and (hit[1] is None or hit[1] > self.clock()):
+            return hit[0]
+        who, expires_at = self._look_up(digest)
+        with self._cache_lock:
+            if len(self._cache) > 10000:
+                self._cache.clear()
+            self._cache[digest] = (who, expires_at, time.monotonic())
+        return who
+
+    def _look_up(self, digest: str) -> tuple[Principal, float | None]:
         with self.db.read() as rows:
             row = rows.s.scalars(select(TokenRow).where(TokenRow.digest == digest)).first()
             if row is None or not hmac.compare_digest(row.digest, digest):
@@ -178,8 +205,8 @@ class Credentials:
                 user = rows.s.get(UserRow, row.user_name)
                 if user is None:
                     raise Unauthenticated(f"token {row.id}: user {row.user_name!r} was removed")
-                return Principal(USER, user.name, admin=user.role == "admin", token_id=row.id)
-            return Principal(row.kind, row.node_id or row.id, node_id=row.node_id, token_id=row.id)
+                return Principal(USER, user.name, admin=user.role == "admin", token_id=row.id), row.expires_at
+            return Principal(row.kind, row.node_id or row.id, node_id=row.node_id, token_id=row.id), row.expires_at
 
     def worker_token(self, job_id: str, attempt: int) -> str:
         """The token of the workers of ``job_id``'s attempt ``attempt`` (the same on every call)."""
