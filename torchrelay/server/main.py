@@ -72,10 +72,23 @@ def open_checked_store(url: str, options: dict) -> ArtifactStore:
     return store
 
 
+def first_admin_name() -> str:
+    import getpass
+
+    from torchrelay.server.auth import check_user_name
+
+    try:
+        return check_user_name(os.environ.get("RELAY_ADMIN_USER") or getpass.getuser())
+    except (InvalidSpec, KeyError, OSError):
+        return "admin"
+
+
 def announce_first_admin(credentials: Credentials, home: Path) -> None:
     """On the store's first start: make the admin user, print its token (this once) and keep it
-    in ``<home>/admin.token`` (mode 0600), where the embedded cluster's client finds it."""
-    token = credentials.bootstrap_admin()
+    in ``<home>/admin.token`` (mode 0600), where the embedded cluster's client finds it. The admin
+    is named after the account that started the server (``RELAY_ADMIN_USER`` names another), so
+    that on one machine jobs go on carrying their submitter's login name."""
+    token = credentials.bootstrap_admin(first_admin_name())
     if token is None:
         return
     path = admin_token_file(home)
