@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import serving
+from conftest import kill_group, serving
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import NotFound, Unauthenticated
 from torchrelay.home import admin_token_file
@@ -302,3 +302,58 @@ def test_bad_tokens_past_the_limit_get_429_naming_it(tmp_path):
         # while it lasts even a good token from that address is refused unchecked; health stays open
         assert httpx.get(f"{address}{API}/jobs", headers={"authorization": f"Bearer {good}"}).status_code == 429
         assert httpx.get(f"{address}{API}/health").status_code == 200
+
+
+def test_the_cluster_event_stream_carries_only_the_users_own_jobs(world):
+    with httpx.stream("GET", f"{world.address}{API}/events/stream", params={"after": 0}, timeout=10,
+                      headers={"authorization": f"Bearer {world.bob}"}) as resp:
+        assert resp.status_code == 200
+        data = next(line for line in resp.iter_lines() if line.startswith("data: "))
+    assert world.job_b in data and world.job_a not in data
+
+
+def test_an_agent_enrols_once_and_reuses_its_own_credential(world, tmp_path):
+    with RelayClient(world.address, token=world.admin) as c:
+        enrol = c.admin.enroll_token(label="test")
+    work = tmp_path / "agent"
+    env = {**os.environ, "RELAY_HOME": str(tmp_path / "home"), "RELAY_CONFIG_DIR": str(tmp_path / "config"),
+           "RELAY_ENROLL_TOKEN": enrol["token"], "RELAY_AGENT_ZYGOTE": "0"}
+    env.pop("RELAY_TOKEN", None)
+
+    def run_agent(env: dict, round_: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "agent", "--address", world.address,
+                                 "--name", "enrolled", "--cpus", "1", "--work-dir", str(work), "--cgroups", "off",
+                                 "--label", f"round={round_}"],
+                                env=env, stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def node_ids(round_: int) -> set[str]:
+        with RelayClient(world.address, token=world.admin) as c:
+            return {n.id for n in c.nodes() if n.name == "enrolled" and n.labels.get("round") == str(round_)}
+
+    def wait_for(predicate) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()[-3000:]
+            time.sleep(0.1)
+
+    agent = run_agent(env, 1)
+    try:
+        wait_for(lambda: len(node_ids(1)) == 1 and (work / "node.credential").exists())
+        first = node_ids(1)
+        credential = (work / "node.credential").read_text()
+        assert credential.startswith("rln_") and (work / "node.credential").stat().st_mode & 0o777 == 0o600
+        kill_group(agent.pid)
+        agent.wait(timeout=10)
+        with RelayClient(world.address, token=world.admin) as c:  # the enrolment token is gone...
+            c.admin.revoke_token(enrol["id"])
+        del env["RELAY_ENROLL_TOKEN"]
+        agent = run_agent(env, 2)  # ...and the agent comes back with its own credential, as the same node
+        wait_for(lambda: node_ids(2) == first)
+        assert (work / "node.credential").read_text() == credential
+        with RelayClient(world.address, token=credential) as as_node:
+            with pytest.raises(Exception, match="takes a credential of: user"):
+                as_node.submit({"entrypoint": "python x.py"}, upload=False)
+    finally:
+        kill_group(agent.pid)
+        agent.wait(timeout=10)
