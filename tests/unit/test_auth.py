@@ -45,9 +45,10 @@ def test_user_names(name, ok):
 
 
 @pytest.fixture
-def creds(tmp_path):
+def creds(tmp_path, db_url):
+    """Credentials over a fresh store: SQLite, and PostgreSQL where one runs."""
     now = [1000.0]
-    svc = ClusterService(f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store"), clock=lambda: now[0])
+    svc = ClusterService(db_url, str(tmp_path / "store"), clock=lambda: now[0])
     yield Credentials(svc.db, lambda: now[0]), now, svc
     svc.db.dispose()
 
@@ -88,8 +89,9 @@ def test_tokens_are_checked_revoked_expired_and_end_with_their_user(creds):
         c.create_token("user", user="nobody")
 
 
-def test_only_digests_are_stored(creds, tmp_path):
-    c, _, svc = creds
+def test_only_digests_are_stored(tmp_path):
+    svc = ClusterService(f"sqlite:///{tmp_path / 'state.db'}", str(tmp_path / "store"))
+    c = Credentials(svc.db, svc.clock)
     text = c.bootstrap_admin()
     svc.db.dispose()  # everything written back to the file
     stored = b"".join(p.read_bytes() for p in tmp_path.glob("state.db*"))
