@@ -4,6 +4,7 @@ out of it, with no token, another user's, a node's and another job's worker's; a
 port; the CLI of two users; tokens' lifecycle; the bad-token rate limit."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -357,3 +358,30 @@ def test_an_agent_enrols_once_and_reuses_its_own_credential(world, tmp_path):
     finally:
         kill_group(agent.pid)
         agent.wait(timeout=10)
+
+
+def test_an_admin_manages_users_tokens_and_enrolment_through_the_cli(world, tmp_path):
+    admin = tmp_path / "admin-config"
+    assert _relay(["login", "--token", world.admin], admin, world.address).returncode == 0
+    added = _relay(["user", "add", "carol", "--expires", "1d"], admin, world.address)
+    assert added.returncode == 0, added.stderr
+    carol_token = re.search(r"(rlu_\S+)", added.stdout.replace("\n", "")).group(1)
+    users = json.loads(_relay(["user", "ls", "-o", "json"], admin, world.address).stdout)
+    assert {"name": "carol", "role": "user"}.items() <= next(u for u in users if u["name"] == "carol").items()
+    carol = tmp_path / "carol-config"
+    assert "as carol" in _relay(["login", "--token", carol_token], carol, world.address).stdout
+    made = _relay(["token", "create", "--label", "laptop", "--expires", "2h"], carol, world.address)
+    assert made.returncode == 0 and made.stdout.strip().splitlines()[-1].startswith("rlu_")
+    listed = json.loads(_relay(["token", "ls", "-o", "json"], carol, world.address).stdout)
+    assert {t["user"] for t in listed} == {"carol"} and all("token" not in t for t in listed)
+    laptop = next(t for t in listed if t["label"] == "laptop")
+    assert _relay(["token", "revoke", laptop["id"]], carol, world.address).returncode == 0
+    assert _relay(["user", "add", "mallory"], carol, world.address).stderr.count("admin") >= 1
+    assert _relay(["token", "revoke", world.token_id], carol, world.address).returncode == 1  # alice's
+    enrol = _relay(["node", "enroll-token", "--expires", "1h"], admin, world.address)
+    assert enrol.returncode == 0 and enrol.stdout.strip().splitlines()[-1].startswith("rle_")
+    bad = _relay(["token", "create", "--expires", "soon"], carol, world.address)
+    assert bad.returncode == 1 and "duration 'soon'" in bad.stderr
+    assert _relay(["user", "rm", "carol"], admin, world.address).returncode == 0
+    gone = _relay(["ls"], carol, world.address)
+    assert gone.returncode == 1 and "was removed" in gone.stderr

@@ -197,6 +197,8 @@ class Credentials:
             row = rows.s.scalars(select(TokenRow).where(TokenRow.digest == digest)).first()
             if row is None or not hmac.compare_digest(row.digest, digest):
                 raise Unauthenticated("the token is not known to this server (mistyped, or of another server)")
+            if row.kind == USER and row.revoked_at is not None and rows.s.get(UserRow, row.user_name) is None:
+                raise Unauthenticated(f"token {row.id}: user {row.user_name!r} was removed")
             if row.revoked_at is not None:
                 raise Unauthenticated(f"token {row.id} was revoked")
             if row.expires_at is not None and row.expires_at <= self.clock():
