@@ -385,3 +385,14 @@ def test_an_admin_manages_users_tokens_and_enrolment_through_the_cli(world, tmp_
     assert _relay(["user", "rm", "carol"], admin, world.address).returncode == 0
     gone = _relay(["ls"], carol, world.address)
     assert gone.returncode == 1 and "was removed" in gone.stderr
+
+
+def test_metrics_are_for_admins_and_scrapers_only(world):
+    with RelayClient(world.address, token=world.admin) as c:
+        c.admin.add_user("prometheus", "scraper")
+        scraper = c.admin.create_token("prometheus")["token"]
+    assert _call(world, "GET", "/metrics", scraper).status_code == 200
+    assert "torchrelay_jobs" in _call(world, "GET", "/metrics", world.admin).text
+    assert _call(world, "GET", "/metrics", world.alice).status_code == 403  # job names of everyone
+    for method, path in [("GET", f"{API}/jobs"), ("GET", f"{API}/nodes"), ("POST", f"{API}/jobs")]:
+        assert _call(world, method, path, scraper).status_code == 403

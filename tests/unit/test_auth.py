@@ -29,6 +29,7 @@ def test_bad_durations_name_the_value(text):
     ("POST", "/api/v1/jobs", {"user"}),
     ("DELETE", "/api/v1/jobs/{job_id}", {"admin"}),   # no rule: admins only
     ("GET", "/api/v1/something-new", {"admin"}),
+    ("GET", "/metrics", {"admin", "scraper"}),
 ])
 def test_each_route_has_its_rule_and_an_unknown_one_is_for_admins(method, path, who):
     assert set(rule_of(method, path).who) == who

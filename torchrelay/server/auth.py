@@ -37,7 +37,7 @@ from torchrelay.spec import JobState
 
 USER, ENROLL, NODE, WORKER = "user", "enroll", "node", "worker"
 PREFIX = {USER: "rlu_", ENROLL: "rle_", NODE: "rln_", WORKER: "rlw_"}
-ROLES = ("admin", "user")
+ROLES = ("admin", "user", "scraper")  # scraper: /metrics only (Prometheus)
 CACHE_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
@@ -50,6 +50,7 @@ class Principal:
     kind: str
     name: str
     admin: bool = False
+    role: str = "user"  # of a user: admin, user or scraper
     node_id: str | None = None
     job_id: str | None = None
     attempt: int | None = None
@@ -207,7 +208,8 @@ class Credentials:
                 user = rows.s.get(UserRow, row.user_name)
                 if user is None:
                     raise Unauthenticated(f"token {row.id}: user {row.user_name!r} was removed")
-                return Principal(USER, user.name, admin=user.role == "admin", token_id=row.id), row.expires_at
+                return Principal(USER, user.name, admin=user.role == "admin", role=user.role,
+                                 token_id=row.id), row.expires_at
             return Principal(row.kind, row.node_id or row.id, node_id=row.node_id, token_id=row.id), row.expires_at
 
     def worker_token(self, job_id: str, attempt: int) -> str:

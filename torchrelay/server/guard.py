@@ -33,7 +33,7 @@ from torchrelay.server.ratelimit import FailureLimiter
 from torchrelay.server.store import JobRow, LaunchRow
 from torchrelay.wire import API_PREFIX
 
-PUBLIC, ADMIN = "public", "admin"
+PUBLIC, ADMIN, SCRAPER = "public", "admin", "scraper"
 COOKIE = "relay_token"
 
 
@@ -53,7 +53,8 @@ _USER_OR_WORKER = _r(USER, WORKER)
 RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/v1/health"): _r(PUBLIC),
     ("GET", "/"): _r(PUBLIC),  # the dashboard's page shell: its API calls need a token
-    ("GET", "/metrics"): _r(USER),
+    # its series name every job and user: an admin's, or a scraper's (a user of role scraper, for Prometheus)
+    ("GET", "/metrics"): _r(ADMIN, SCRAPER),
     ("GET", "/api/v1/openapi.json"): _r(USER),
     ("GET", "/api/v1/docs"): _r(USER),
     ("POST", "/api/v1/bundles"): _r(USER),
@@ -85,7 +86,7 @@ RULES: dict[tuple[str, str], Rule] = {
     # an admin too: tools that replay or import a job's records
     ("POST", "/api/v1/jobs/{job_id}/logs"): _r(NODE, ADMIN),
     ("POST", "/api/v1/jobs/{job_id}/metrics"): _r(NODE, WORKER, ADMIN),
-    ("GET", "/api/v1/whoami"): _r(USER, NODE, WORKER, ENROLL),
+    ("GET", "/api/v1/whoami"): _r(USER, NODE, WORKER, ENROLL, SCRAPER),
     ("GET", "/api/v1/users"): _r(ADMIN),
     ("POST", "/api/v1/users"): _r(ADMIN),
     ("DELETE", "/api/v1/users/{name}"): _r(ADMIN),
@@ -157,13 +158,16 @@ async def _principal(guard: Guard, request: Request) -> Principal:
 
 
 def _check_kind(rule: Rule, who: Principal, method: str, path: str) -> None:
-    if who.kind == USER and (USER in rule.who or (ADMIN in rule.who and who.admin)):
+    if who.kind == USER and who.role == SCRAPER:
+        if SCRAPER in rule.who:
+            return
+    elif who.kind == USER and (USER in rule.who or (ADMIN in rule.who and who.admin)):
         return
     if who.kind != USER and who.kind in rule.who:
         return
     wanted = " or ".join(sorted(rule.who))
     raise Forbidden(f"{method} {path} takes a credential of: {wanted}; this is a {who.kind}'s"
-                    + (" (not an admin)" if who.kind == USER else ""))
+                    + (f" (role {who.role})" if who.kind == USER else ""))
 
 
 def _check_job(guard: Guard, who: Principal, job_id: str) -> None:

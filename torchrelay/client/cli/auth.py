@@ -60,14 +60,17 @@ def whoami() -> None:
 
 @user_app.command("add")
 @handle_errors
-def user_add(name: str, admin: bool = typer.Option(False, "--admin", help="make an admin"),
+def user_add(name: str, admin: bool = typer.Option(False, "--admin", help="make an admin (--role admin)"),
+             role: str = typer.Option("user", "--role", help="user, admin, or scraper (may read /metrics only: "
+                                      "for Prometheus)"),
              token: bool = typer.Option(True, "--token/--no-token", help="also make the user's first token"),
              expires: str = ExpiresOpt) -> None:
     """Add a user (and print its first token, this once)."""
     with client() as c:
-        c.admin.add_user(name, "admin" if admin else "user")
+        c.admin.add_user(name, "admin" if admin else role)
         made = c.admin.create_token(name, label="first", expires_in_s=_seconds(expires)) if token else None
-    console.print(f"user {name} added" + (" (admin)" if admin else ""), highlight=False)
+    console.print(f"user {name} added" + (" (admin)" if admin else f" ({role})" if role != "user" else ""),
+                  highlight=False)
     if made:
         console.print(f"token (shown this once): {made['token']}", highlight=False, soft_wrap=True)
 
