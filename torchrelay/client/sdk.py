@@ -302,6 +302,10 @@ class RelayClient:
         """One artifact's bytes. Raises NotFound naming it when the job has no such artifact."""
         return self._request("GET", f"/jobs/{job_id}/artifacts/{path}").content
 
+    def put_artifact(self, job_id: str, path: str, data: bytes) -> ArtifactInfo:
+        """Store ``data`` as the job's artifact ``path`` (a worker's ``RELAY_TOKEN`` may, for its own job)."""
+        return ArtifactInfo.model_validate(self._request("PUT", f"/jobs/{job_id}/artifacts/{path}", content=data).json())
+
     def download(self, job_id: str, dest: str | Path, *, prefix: str = "") -> list[Path]:
         """Fetch every artifact of the job (whose path starts with ``prefix``) into ``dest``;
         returns the written paths."""
