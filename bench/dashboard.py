@@ -206,7 +206,8 @@ async def clients(address: str, job_id: str, count: int, mode: str, seconds: flo
             after = page["next_after"]
 
     limits = httpx.Limits(max_connections=count + 10)
-    async with httpx.AsyncClient(base_url=address + "/api/v1", timeout=60, limits=limits, headers=_auth(address)) as http:
+    async with httpx.AsyncClient(base_url=address + "/api/v1", timeout=60, limits=limits,
+                                 headers=_auth(address)) as http:
         tasks = [asyncio.create_task((sse if mode == "sse" else longpoll)(http)) for _ in range(count)]
         await asyncio.sleep(seconds)
         for t in tasks:

@@ -87,7 +87,8 @@ def world(tmp_path_factory) -> World:
         deadline = time.monotonic() + 30
         while len(workers) < 2:
             assert time.monotonic() < deadline, "the jobs were not placed on the node"
-            workers = {x["job_id"]: x["worker_token"] for x in _beat(address, reg["credential"], reg["node_id"])["launches"]}
+            beat = _beat(address, reg["credential"], reg["node_id"])
+            workers = {x["job_id"]: x["worker_token"] for x in beat["launches"]}
             time.sleep(0.1)
         with RelayClient(address, token=tokens["alice"]) as c:
             c._request("PUT", f"/jobs/{jobs['alice']}/artifacts/x.txt", content=b"alice's")
@@ -98,7 +99,8 @@ def world(tmp_path_factory) -> World:
 
 def _routes(world: World) -> list[tuple[str, str]]:
     doc = _call(world, "GET", f"{API}/openapi.json", world.admin).json()
-    found = [(m.upper(), p) for p, item in doc["paths"].items() for m in item if m in ("get", "post", "put", "delete", "head")]
+    found = [(m.upper(), p) for p, item in doc["paths"].items() for m in item
+             if m in ("get", "post", "put", "delete", "head", "patch")]
     assert len(found) > 30, found
     return sorted(set(found) | set(HIDDEN))
 
@@ -322,8 +324,8 @@ def test_an_agent_enrols_once_and_reuses_its_own_credential(world, tmp_path):
     env.pop("RELAY_TOKEN", None)
 
     def run_agent(env: dict, round_: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "agent", "--address", world.address,
-                                 "--name", "enrolled", "--cpus", "1", "--work-dir", str(work), "--cgroups", "off",
+        return subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "agent",
+                                 "--address", world.address, "--name", "enrolled", "--cpus", "1", "--work-dir", str(work), "--cgroups", "off",
                                  "--label", f"round={round_}"],
                                 env=env, stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -26,7 +26,8 @@ def test_bad_specs_get_4xx_naming_field(server):
             name="n", address="127.0.0.1", cpus=2, memory=2**30).model_dump())
         with pytest.raises(Unschedulable, match="needs 64 workers"):
             c.submit({"entrypoint": "python x.py", "workers": 64}, upload=False)
-        assert httpx.post(f"{server}/api/v1/jobs", json={"spec": {"entrypoint": "x", "workers": 64}}, headers=bearer(server)).status_code == 422
+        assert httpx.post(f"{server}/api/v1/jobs", json={"spec": {"entrypoint": "x", "workers": 64}},
+                          headers=bearer(server)).status_code == 422
 
 
 def test_unknown_job_is_404_naming_id(server):
