@@ -216,6 +216,9 @@ def test_a_user_sees_and_touches_only_their_own_jobs_through_the_cli(world, tmp_
     assert refused.returncode == 1 and "only an admin" in refused.stderr
     nobody = _relay(["ls"], tmp_path / "nobody", world.address)
     assert nobody.returncode == 1 and "relay login" in nobody.stderr
+    assert _relay(["logout"], config, world.address).returncode == 0
+    after = _relay(["ls"], config, world.address)
+    assert after.returncode == 1 and "a token is needed" in after.stderr
 
 
 COMMON = ["/", "/admin", "/login", "/api", "/api/v1", "/api/v2/jobs", "/.env", "/config", "/debug", "/server-status",

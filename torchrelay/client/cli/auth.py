@@ -1,4 +1,4 @@
-"""`relay login`, `relay user add|ls|rm`, `relay token create|ls|revoke`, `relay node enroll-token`.
+"""`relay login`, `relay logout`, `relay whoami`, `relay user add|ls|rm`, `relay token create|ls|revoke`, `relay node enroll-token`.
 
 A token is printed only by the verb that made it, once; `login` checks a token with the server
 (``/whoami``) before it stores it (``credentials``: one per server address, mode 0600).
@@ -48,6 +48,20 @@ def login(address: str = typer.Option(None, "--address", help="server URL (defau
     path = store_token(named, token)
     console.print(f"logged in to {named} as [bold]{who['name']}[/]{' (admin)' if who['admin'] else ''}; "
                   f"token kept in {path}", highlight=False)
+
+
+@handle_errors
+def logout(address: str = typer.Option(None, "--address", help="server URL (default: RELAY_ADDRESS, else the "
+                                       "embedded cluster's)")) -> None:
+    """Forget the token stored for a server (it stays valid: `relay token revoke` ends it)."""
+    from torchrelay.client.credentials import forget_token
+    from torchrelay.client.sdk import resolve_address
+
+    resolved = resolve_address(address)
+    if resolved is None:
+        fail("no server is named: give --address URL or set RELAY_ADDRESS")
+    gone = forget_token(resolved[0])
+    console.print(f"{'forgot the token' if gone else 'no token was stored'} for {resolved[0]}", highlight=False)
 
 
 @handle_errors
