@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from torchrelay.errors import Conflict, InvalidSpec, NotFound, Unauthenticated
 from torchrelay.server.store import AuthKeyRow, TokenRow, UserRow
@@ -93,11 +94,14 @@ class Credentials:
     def bootstrap_admin(self, name: str = "admin") -> str | None:
         """On a store without users: make ``name`` an admin and return its new token's text
         (shown once). None when the store has users already."""
-        with self.db.write() as rows:
-            if rows.s.scalars(select(UserRow).limit(1)).first() is not None:
-                return None
-            rows.s.add(UserRow(name=check_user_name(name), role="admin", created_at=self.clock()))
-            return self._add_token(rows.s, USER, user=name, label="first admin")[1]
+        try:
+            with self.db.write() as rows:
+                if rows.s.scalars(select(UserRow).limit(1)).first() is not None:
+                    return None
+                rows.s.add(UserRow(name=check_user_name(name), role="admin", created_at=self.clock()))
+                return self._add_token(rows.s, USER, user=name, label="first admin")[1]
+        except IntegrityError:  # another server of the same store made it first
+            return None
 
     def add_user(self, name: str, role: str = "user") -> dict[str, Any]:
         if role not in ROLES:
@@ -239,12 +243,19 @@ class Credentials:
 
     def _key(self) -> bytes:
         if self._secret is None:
-            with self.db.write() as rows:
-                row = rows.s.get(AuthKeyRow, 1)
-                if row is None:
-                    row = AuthKeyRow(id=1, secret=secrets.token_hex(32))
-                    rows.s.add(row)
-                self._secret = bytes.fromhex(row.secret)
+            for _ in range(2):  # twice: another server of the same store may make it between our read and write
+                try:
+                    with self.db.write() as rows:
+                        row = rows.s.get(AuthKeyRow, 1)
+                        if row is None:
+                            row = AuthKeyRow(id=1, secret=secrets.token_hex(32))
+                            rows.s.add(row)
+                        secret = row.secret
+                    self._secret = bytes.fromhex(secret)
+                    break
+                except IntegrityError:
+                    continue
+        assert self._secret is not None
         return self._secret
 
 
