@@ -51,6 +51,14 @@ def pct(values: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------- 1. report -> browser
 
+def _auth(address: str) -> dict[str, str]:
+    """The header the relay client would send to ``address`` (every route but health needs a token)."""
+    from torchrelay.client.credentials import token_for
+
+    token = token_for(address)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def sse_receiver(address: str, job_id: str, out: list[float], stop: threading.Event) -> None:
     from torchrelay.client.sdk import RelayClient
     with RelayClient(address) as c:
@@ -62,7 +70,7 @@ def sse_receiver(address: str, job_id: str, out: list[float], stop: threading.Ev
 
 def polling_receiver(address: str, job_id: str, out: list[float], stop: threading.Event) -> None:
     after = 0
-    with httpx.Client(base_url=address + "/api/v1") as http:
+    with httpx.Client(base_url=address + "/api/v1", headers=_auth(address)) as http:
         while not stop.is_set():
             page = http.get(f"/jobs/{job_id}/metrics", params={"after": after}).json()
             now = time.time()
@@ -86,7 +94,7 @@ def report_to_browser(context, steps: int) -> dict:
             job_id = c.submit(spec, base_dir=REPO / "tests" / "jobs" / "dash").id
             page = context.new_page()
             page.add_init_script("window.__relayTrace = {pending: [], drawn: []};")
-            page.goto(f"{cluster.address}/#/jobs/{job_id}")
+            page.goto(f"{cluster.address}/?token={_auth(cluster.address)['authorization'][7:]}#/jobs/{job_id}")
             stop = threading.Event()
             sse, polled = [], []
             threads = [threading.Thread(target=f, args=(cluster.address, job_id, out, stop), daemon=True)
@@ -151,17 +159,19 @@ def first_chart(context, keys: int, steps: int) -> dict:
         while not (read_json(server_file(home)) or {}).get("pid") == proc.pid:
             time.sleep(0.05)
         address = read_json(server_file(home))["address"]
+        token = (home / "admin.token").read_text().strip()
         times = []
         for _ in ("cold", "warm"):
             page = context.new_page()
             started = time.perf_counter()
-            page.goto(f"{address}/#/jobs/job-1")
+            page.goto(f"{address}/?token={token}#/jobs/job-1")
             page.wait_for_function("document.querySelectorAll('.chart canvas').length >= 1", timeout=300_000)
             first = time.perf_counter() - started
             page.wait_for_function(f"document.querySelectorAll('.chart canvas').length >= {keys}", timeout=300_000)
             times.append((first, time.perf_counter() - started))
             page.close()
-        sent = len(httpx.get(f"{address}/api/v1/jobs/job-1/series", params={"points": 1000}, timeout=300).content)
+        sent = len(httpx.get(f"{address}/api/v1/jobs/job-1/series", params={"points": 1000}, timeout=300,
+                             headers={"authorization": f"Bearer {token}"}).content)
         return {"cold_s": times[0][0], "cold_all_s": times[0][1], "warm_s": times[1][0], "warm_all_s": times[1][1],
                 "bytes": sent, "raw_bytes": raw}
     finally:
@@ -196,7 +206,8 @@ async def clients(address: str, job_id: str, count: int, mode: str, seconds: flo
             after = page["next_after"]
 
     limits = httpx.Limits(max_connections=count + 10)
-    async with httpx.AsyncClient(base_url=address + "/api/v1", timeout=60, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=address + "/api/v1", timeout=60, limits=limits,
+                                 headers=_auth(address)) as http:
         tasks = [asyncio.create_task((sse if mode == "sse" else longpoll)(http)) for _ in range(count)]
         await asyncio.sleep(seconds)
         for t in tasks:

@@ -235,7 +235,9 @@ class _LeanSubmitter:
         url = urlsplit(address)
         self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
         self._body = body
-        self._headers = {"content-type": "application/json", "x-relay-user": "bench"}
+        from torchrelay.client.credentials import token_for
+
+        self._headers = {"content-type": "application/json", "authorization": f"Bearer {token_for(address)}"}
 
     def __call__(self) -> str:
         self._conn.request("POST", "/api/v1/jobs", body=self._body, headers=self._headers)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from logins import bearer, login_as_admin as _login_as_admin  # noqa: F401 - for the tests
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +50,20 @@ def kill_group(pgid: int, grace_s: float = 5.0) -> None:
         pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def relay_config_dir(tmp_path_factory):
+    """The client's config dir (``relay login``'s credentials) of the whole session: never the
+    user's own ``~/.config``."""
+    path = tmp_path_factory.mktemp("relay-config")
+    saved = os.environ.get("RELAY_CONFIG_DIR")
+    os.environ["RELAY_CONFIG_DIR"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("RELAY_CONFIG_DIR", None)
+    else:
+        os.environ["RELAY_CONFIG_DIR"] = saved
+
+
 @pytest.fixture
 def relay_home(tmp_path, monkeypatch):
     home = tmp_path / "relay-home"
@@ -76,6 +92,7 @@ def serving(home: Path, args: list[str] | tuple[str, ...] = ()):
             assert proc.poll() is None, (home / "server.log").read_text()
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
+        _login_as_admin(home, info["address"])
         yield info["address"]
     finally:
         kill_group(proc.pid)

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.logins import login_as_admin as _login_as_admin
 from tests.hosts import Host, TestHosts
 
 CLI = [sys.executable, "-m", "torchrelay.client.cli.main"]
@@ -77,6 +78,7 @@ class HostCluster:
                 raise RuntimeError(f"server did not start: {(self.home(host) / 'server.log').read_text()[-3000:]}")
             time.sleep(0.05)
         self.port = int(info["address"].rsplit(":", 1)[1])
+        _login_as_admin(self.home(host), self.address)  # as `relay login` would, for the tests and agents
 
     def kill_server(self) -> None:
         assert self.server is not None

@@ -109,11 +109,30 @@ class StaleAttempt(Conflict):
     checkpoints (an orphan on a node that lost contact); nothing was written."""
 
 
+class Unauthenticated(RelayError):
+    """No credential, or one the server does not accept (unknown, revoked, expired)."""
+
+    http_status = 401
+
+
+class Forbidden(RelayError):
+    """A valid credential that may not do this (a node credential submitting a job, a user
+    managing another's tokens)."""
+
+    http_status = 403
+
+
+class TooManyAttempts(RelayError):
+    """Too many bad credentials from one client address in the rate limiter's window."""
+
+    http_status = 429
+
+
 _BY_NAME = {cls.__name__: cls for cls in (RelayError, InvalidSpec, NotFound, Conflict, InsufficientMemory,
                                             InvalidPath, PayloadTooLarge,
                                             Unschedulable, ServerUnavailable, StorageError,
                                             CheckpointCorrupt, StaleAttempt, StoreUnavailable, NotLeader,
-                                            UntrustedServer)}
+                                            UntrustedServer, Unauthenticated, Forbidden, TooManyAttempts)}
 
 
 def error_class(name: str) -> type[RelayError]:

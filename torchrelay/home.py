@@ -5,6 +5,7 @@ Contract: two clusters with different ``RELAY_HOME`` share nothing. Layout:
     <home>/state.db        SQLite state store (server)
     <home>/store/          artifact store (server, default)
     <home>/server.json     {"address": "http://127.0.0.1:PORT", "pid": …} of the running server
+    <home>/admin.token     the first admin's token, written at the store's first start (mode 0600)
     <home>/cluster.json    pids and process groups of an embedded cluster started by `relay up`
     <home>/agents/<name>/  an agent's work dir (bundle cache, launches, logs)
     <home>/logs/           server and agent logs of an embedded cluster
@@ -24,6 +25,10 @@ def relay_home() -> Path:
 
 def server_file(home: Path | None = None) -> Path:
     return (home or relay_home()) / "server.json"
+
+
+def admin_token_file(home: Path | None = None) -> Path:
+    return (home or relay_home()) / "admin.token"
 
 
 def cluster_file(home: Path | None = None) -> Path:

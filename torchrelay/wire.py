@@ -223,6 +223,8 @@ def reach_greeting(token: str) -> bytes:
 class RegisterReply(_Model):
     node_id: str
     heartbeat_timeout_s: float
+    credential: str | None = Field(default=None, description="the node's own credential, given once at its "
+                                   "enrolment (the agent keeps it and sends it from then on)")
 
 
 class NodeInfo(_Model):
@@ -330,6 +332,8 @@ class LaunchAssignment(_Model):
     memory: int = Field(default=0, ge=0, description="bytes granted per worker (the launch's cgroup limit; 0: none)")
     launcher: Literal["torchrun", "mpirun"] = "torchrun"
     mpi: MpiWorld | None = Field(default=None, description="set for an mpirun job (``launcher``)")
+    worker_token: str | None = Field(default=None, description="the workers' RELAY_TOKEN: valid for this job's "
+                                     "attempt only")
 
 
 class HeartbeatReply(_Model):

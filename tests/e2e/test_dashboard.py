@@ -44,11 +44,11 @@ def _shot(page, name):
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
 
-def _scrape(base):
+def _scrape(base, token):
     """/metrics parsed by prometheus_client's own parser: {(sample name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base}/metrics", timeout=30).text
+    text = httpx.get(f"{base}/metrics", timeout=30, headers={"authorization": f"Bearer {token}"}).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -60,13 +60,13 @@ def _points(page, key="loss"):
 
 def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, browser_context, tmp_path):
     c, base, proxy = dash
-    before = _scrape(base)
+    before = _scrape(base, c.token)
     holds = tmp_path / "holds"  # the job waits after steps 5 and 60 until hold-5 / hold-60 are there
     holds.mkdir()
     job_id = _submit(c, steps=80, pause=0.1, holds=holds)
     page = browser_context.new_page()
     try:
-        page.goto(f"{base}/#/jobs/{job_id}")
+        page.goto(f"{base}/?token={c.token}#/jobs/{job_id}")  # signs in: a session cookie
         page.wait_for_selector('[data-key="loss"][data-points]:not([data-points="0"])', timeout=90_000)
         # the streams are cut while the job is held at step 5, and again while it trains on
         for hold in (5, 60):
@@ -105,7 +105,7 @@ def test_job_page_streams_curves_and_logs_through_dropped_connections(dash, brow
         assert f"/api/v1/jobs/{job_id}/artifacts/model.pt" in links
         assert page.locator("#checkpoints a").count() >= 1
         assert c.artifact_bytes(job_id, "model.pt")  # the link's target answers
-        after = _scrape(base)
+        after = _scrape(base, c.token)
         moved = {name: after.get((name, labels), 0) - before.get((name, labels), 0) for name, labels in [
             ("torchrelay_submitted_jobs_total", ()), ("torchrelay_admitted_jobs_total", ()),
             ("torchrelay_admission_wait_time_seconds_count", ()),
@@ -165,7 +165,7 @@ def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_con
     waiting = _submit(c, steps=1, pause=0, resources={"cpu": 2})
     page = browser_context.new_page()
     try:
-        page.goto(f"{base}/#/cluster")
+        page.goto(f"{base}/?token={c.token}#/cluster")
         page.wait_for_selector('[data-node="agent-0"]')
         row = page.inner_text('[data-node="agent-0"]')
         assert "READY" in row and "zone=test" in row
@@ -190,7 +190,7 @@ def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_con
         page.wait_for_function('document.querySelector(\'[data-key="loss"]\').dataset.points > 5')
         # /metrics while the job trains: its step rate and samples/s, and why the other waits
         labels = (("job", running), ("name", "dash"), ("user", c.user))
-        scrape = _scrape(base)
+        scrape = _scrape(base, c.token)
         assert scrape[("torchrelay_job_step_rate", labels)] > 0
         assert scrape[("torchrelay_job_samples_per_second", labels)] > 0
         assert scrape[("torchrelay_pending_jobs", (("reason", "resources"),))] >= 1

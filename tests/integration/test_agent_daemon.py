@@ -19,7 +19,10 @@ import uvicorn
 from torchrelay.agent.daemon import Agent
 from torchrelay.agent.processes import find_launch_processes
 from torchrelay.client.sdk import RelayClient
+from torchrelay.client.credentials import store_token, token_for
+from torchrelay.home import admin_token_file
 from torchrelay.server.app import create_app
+from torchrelay.server.main import announce_first_admin
 from torchrelay.server.service import ClusterService
 from torchrelay.spec import JobSpec, JobState
 
@@ -65,6 +68,9 @@ class ServerThread:
         self.port = self.sock.getsockname()[1]
         self.address = f"http://127.0.0.1:{self.port}"
         app = create_app(self.service)
+        # what `relay server` does at a store's first start, and what `relay login` does with it
+        announce_first_admin(app.state.guard.credentials, home)
+        store_token(self.address, admin_token_file(home).read_text().strip())
         self.app = wrap(app) if wrap is not None else app  # wrap: an ASGI app around the server's
         config = uvicorn.Config(self.app, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=2)
@@ -84,7 +90,8 @@ class ServerThread:
 class AgentThread:
     def __init__(self, address: str, work_dir: Path, name: str = "node-a"):
         self.agent = Agent(address, name=name, cpus=2, gpus=0, memory=2**32, work_dir=work_dir,
-                           heartbeat_wait_s=5.0, ship_interval_s=0.2, stop_grace_s=3.0)
+                           heartbeat_wait_s=5.0, ship_interval_s=0.2, stop_grace_s=3.0,
+                           enroll_token=token_for(address))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.agent.run, args=(self.stop_event,), daemon=True)
         self.thread.start()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import group_members, kill_group
+from conftest import _login_as_admin, bearer, group_members, kill_group
 from torchrelay.client.sdk import RelayClient
 from torchrelay.server.events.model import Event
 
@@ -39,6 +39,7 @@ def start_server(home: Path, *events: str, extra: tuple[str, ...] = ()) -> tuple
     while True:
         info = read_json(server_file(home))
         if info and info.get("pid") == proc.pid:
+            _login_as_admin(home, info["address"])
             return proc, info["address"]
         assert proc.poll() is None, (home / "server.log").read_text()
         assert time.monotonic() < deadline, "server did not start"
@@ -225,7 +226,8 @@ def test_node_events_and_metric_summaries_reach_kafka(kafka_bootstrap, tmp_path)
                                  extra=("--heartbeat-timeout", "1"))
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": topic, "auto.offset.reset": "earliest"})
     try:
-        with httpx.Client(base_url=address + API_PREFIX) as http, RelayClient(address) as client:
+        with httpx.Client(base_url=address + API_PREFIX, headers=bearer(address)) as http, \
+                RelayClient(address) as client:
             job = client.submit({"name": "m", "entrypoint": "python -c pass"}, upload=False)
             reg = NodeRegistration(name="lonely", address="127.0.0.1", cpus=1, memory=2**30)
             http.post("/nodes/register", json=reg.model_dump()).raise_for_status()  # then no heartbeat: LOST

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.logins import login_as_admin as _login_as_admin
 from tests.hosts import TestHosts
 
 pytestmark = [pytest.mark.timeout(240),
@@ -54,6 +55,7 @@ def test_an_mpi_world_across_two_hosts_without_ssh(tmp_path):
             assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.1)
         address = info["address"]
+        _login_as_admin(home, address)  # as `relay login` would: the agents enrol with it, SUBMIT uses it
         for host in (a, b):
             hosts.popen(host, [sys.executable, "-m", "torchrelay.client.cli.main", "agent", "--address", address,
                                "--host", host.address, "--name", host.name, "--cpus", "2",

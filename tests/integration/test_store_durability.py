@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import bearer
+
 from conftest import group_members, kill_group
 from torchrelay.client.sdk import RelayClient
 from torchrelay.spec import JobSpec, JobState
@@ -44,6 +46,7 @@ class Server:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         self.port = int(info["address"].rsplit(":", 1)[1])
+        _login(self.home, info["address"])
         return info["address"]
 
     def kill(self) -> None:
@@ -55,6 +58,21 @@ class Server:
             kill_group(self.proc.pid)
             self.proc.wait(timeout=15)
             assert group_members(self.proc.pid) == []
+
+
+_last_admin: list[str] = []
+
+
+def _login(home: Path, address: str) -> None:
+    """Store the admin token for ``address``, as `relay login` would: the one the server wrote in
+    ``home`` at the store's first start, else (a second server of one store) the last one written."""
+    from torchrelay.client.credentials import store_token
+    from torchrelay.home import admin_token_file
+
+    if admin_token_file(home).exists():
+        _last_admin[:] = [admin_token_file(home).read_text().strip()]
+    if _last_admin:
+        store_token(address, _last_admin[0])
 
 
 @pytest.fixture
@@ -74,7 +92,7 @@ def test_kill_9_during_100_concurrent_submits_loses_no_acknowledged_submit(serve
 
     def submit(i: int) -> None:
         body = {"spec": {"name": f"s{i}", "entrypoint": "python -c pass"}}
-        with httpx.Client(base_url=f"{address}/api/v1", timeout=30) as http:
+        with httpx.Client(base_url=f"{address}/api/v1", timeout=30, headers=bearer(address)) as http:
             go.wait()
             try:
                 reply = http.post("/jobs", json=body)

@@ -10,6 +10,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from conftest import bearer
+
 from tcp_proxy import CuttableProxy
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import InvalidSpec, NotFound
@@ -47,7 +49,7 @@ def test_log_stream_survives_cut_connections_without_miss_or_repeat(module_serve
         job_id = _job(c)
         _post_logs(c, job_id, 0, 10)
         port = urlparse(module_server).port
-        with CuttableProxy(port) as proxy, RelayClient(f"http://127.0.0.1:{proxy.port}") as via_proxy:
+        with CuttableProxy(port) as proxy, RelayClient(f"http://127.0.0.1:{proxy.port}", token=c.token) as via_proxy:
             got: list[str] = []
             cuts = []
 
@@ -76,7 +78,7 @@ def test_last_event_id_resumes_exactly_after_that_row(module_server):
         _post_logs(c, job_id, 0, 5)
         seqs = [line.seq for line in c.iter_logs(job_id)]
         with httpx.stream("GET", f"{module_server}/api/v1/jobs/{job_id}/logs/stream",
-                          headers={"last-event-id": str(seqs[2])}, params={"after": 0}, timeout=10) as resp:
+                          headers={"last-event-id": str(seqs[2]), **bearer(module_server)}, params={"after": 0}, timeout=10) as resp:
             assert resp.headers["content-type"].startswith("text/event-stream")
             text = ""
             for chunk in resp.iter_text():
@@ -90,9 +92,9 @@ def test_last_event_id_resumes_exactly_after_that_row(module_server):
 def test_bad_last_event_id_and_unknown_job_are_clear_errors(module_server):
     with RelayClient(module_server) as c:
         job_id = _job(c)
-        r = httpx.get(f"{module_server}/api/v1/jobs/{job_id}/logs/stream", headers={"last-event-id": "abc"})
+        r = httpx.get(f"{module_server}/api/v1/jobs/{job_id}/logs/stream", headers={"last-event-id": "abc", **bearer(module_server)})
         assert r.status_code == 422 and "Last-Event-ID 'abc'" in r.json()["detail"]
-        r = httpx.get(f"{module_server}/api/v1/jobs/job-999/metrics/stream")
+        r = httpx.get(f"{module_server}/api/v1/jobs/job-999/metrics/stream", headers=bearer(module_server))
         assert r.status_code == 404 and "job-999" in r.json()["detail"]
         with pytest.raises(NotFound, match="job-999"):
             list(c.follow_logs("job-999"))

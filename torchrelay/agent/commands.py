@@ -108,6 +108,10 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
         env[CA_ENV] = ca
     else:
         env.pop(CA_ENV, None)
+    if assignment.worker_token:  # valid for this job's attempt only: what a worker may send the server
+        env["RELAY_TOKEN"] = assignment.worker_token
+    else:
+        env.pop("RELAY_TOKEN", None)  # never a token of the agent's own environment
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env

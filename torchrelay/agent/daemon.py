@@ -100,7 +100,7 @@ class Agent:
                  stop_grace_s: float = 10.0, zygote: bool | None = None, gpu_type: str | None = None,
                  launch_factory: LaunchFactory | None = None, server: ServerLink | None = None,
                  sweep: Callable[[str, Path], int] = kill_launch_processes,
-                 cgroups: str | None = None, cgroup_parent: str | None = None):
+                 cgroups: str | None = None, cgroup_parent: str | None = None, enroll_token: str | None = None):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"address {address!r} is not a URL; give e.g. http://127.0.0.1:8765")
         if not name:
@@ -138,7 +138,9 @@ class Agent:
         self.warm_zygote = Zygote(env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
                                   log_path=str(self.work_dir / "warm-zygote.log"),
                                   preload=WARM_PRELOAD) if zygote else None
-        self.server: ServerLink = server or HttpServerLink(self.address, long_poll_s=heartbeat_wait_s)
+        self.server: ServerLink = server or HttpServerLink(
+            self.address, long_poll_s=heartbeat_wait_s, enroll_token=enroll_token,
+            credential_file=self.work_dir / "node.credential")
         self.outbox = Outbox()
         self.gpu_slots = GpuSlots(self.gpus)  # which device indices each launch holds
         self._sweep = sweep

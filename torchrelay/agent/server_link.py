@@ -20,6 +20,12 @@ Contract:
 - An ``https://`` server's certificate is verified against ``RELAY_CA`` (``relay agent --ca``),
   else the system's CAs; a TLS failure is a ``ServerUnreachable`` whose message says so
   (``torchrelay.tls``).
+- Credentials: every call carries the node's own credential (kept in ``credential_file``, mode
+  0600, so a restarted agent reuses it), else the enrolment token (``enroll_token``). A
+  registration's reply that carries a new credential replaces the kept one. A registration
+  refused (401) with a kept credential the server no longer accepts (its state was lost, or an
+  admin revoked it) is tried again once with the enrolment token; a heartbeat refused with 401
+  raises ``NodeUnknown`` so that the agent registers again.
 - ``close()`` ends the connections, a long poll in flight included (it raises
   ``ServerUnreachable`` in its caller's thread). Idempotent.
 """
@@ -27,6 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import os
+from pathlib import Path
 
 import httpx
 from pydantic import BaseModel
@@ -73,13 +82,41 @@ def _checked(reply: httpx.Response) -> httpx.Response:
 class HttpServerLink:
     """``ServerLink`` over HTTP. Thread-safe (httpx clients are)."""
 
-    def __init__(self, address: str, *, long_poll_s: float, timeout_s: float = 10.0, bundle_timeout_s: float = 300.0):
+    def __init__(self, address: str, *, long_poll_s: float, timeout_s: float = 10.0, bundle_timeout_s: float = 300.0,
+                 enroll_token: str | None = None, credential_file: Path | None = None):
         self.servers = ServerList(parse_addresses(address))
         base = self.servers.current + wire.API_PREFIX
         self.bundle_timeout_s = bundle_timeout_s
         verify = tls.verify_for(address)  # RELAY_CA (relay agent --ca), else the system's CAs
         self._http = httpx.Client(base_url=base, timeout=timeout_s, verify=verify)
         self._poll_http = httpx.Client(base_url=base, timeout=long_poll_s + 15.0, verify=verify)
+        self._enroll_token = enroll_token
+        self._credential_file = credential_file
+        self._credential: str | None = None
+        if credential_file is not None:
+            try:
+                self._credential = credential_file.read_text().strip() or None
+            except OSError:
+                pass
+        self._send(self._credential or enroll_token)
+
+    def _send(self, token: str | None) -> None:
+        for client in (self._http, self._poll_http):
+            if token:
+                client.headers["authorization"] = f"Bearer {token}"
+            else:
+                client.headers.pop("authorization", None)
+
+    def _keep(self, credential: str | None) -> None:
+        self._credential = credential
+        if self._credential_file is not None:
+            self._credential_file.unlink(missing_ok=True)
+            if credential:
+                self._credential_file.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self._credential_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as out:
+                    out.write(credential)
+        self._send(credential or self._enroll_token)
 
     def _move(self, failed: str, leader: str | None, why: str) -> None:
         now = self.servers.moved(failed, leader)
@@ -108,14 +145,20 @@ class HttpServerLink:
         return self._call(client, "POST", path, json=body.model_dump(mode="json"))
 
     def register(self, registration: wire.NodeRegistration) -> wire.RegisterReply:
-        reply = _checked(self._post(self._http, "/nodes/register", registration))
-        return wire.RegisterReply.model_validate(reply.json())
+        reply = self._post(self._http, "/nodes/register", registration)
+        if reply.status_code == 401 and self._credential and self._enroll_token:
+            self._keep(None)  # the server no longer takes it: enrol again
+            reply = self._post(self._http, "/nodes/register", registration.model_copy(update={"node_id": None}))
+        registered = wire.RegisterReply.model_validate(_checked(reply).json())
+        if registered.credential:
+            self._keep(registered.credential)
+        return registered
 
     def heartbeat(self, node_id: str, beat: wire.Heartbeat) -> wire.HeartbeatReply:
         client = self._poll_http if beat.wait_s > 0 else self._http
         reply = self._post(client, f"/nodes/{node_id}/heartbeat", beat)
-        if reply.status_code == 404:
-            raise NodeUnknown(404, reply.text[:200])
+        if reply.status_code in (401, 404):
+            raise NodeUnknown(reply.status_code, reply.text[:200])
         return wire.HeartbeatReply.model_validate(_checked(reply).json())
 
     def post_records(self, kind: EntryKind, job_id: str, launch_id: str, records: Sequence) -> None:

@@ -7,7 +7,11 @@ the ``ListenPlan`` says (default: 127.0.0.1, a port the OS picks); an address gi
 is tried first, so one that is not this machine's or is in use is refused (``Conflict``,
 naming who asked for it) before anything starts. ``stop_cluster`` ends them (SIGTERM to each
 group, SIGKILL after a grace) and is idempotent. Nothing is left running; nothing outside
-``RELAY_HOME`` is touched.
+``RELAY_HOME`` is touched. Its server makes the first admin at its first start
+(``<RELAY_HOME>/admin.token``), which the client then uses for this address by itself
+(``credentials``), and so does a client of a cluster whose home is another folder: the token is
+stored for its address as `relay login` would, until ``stop_cluster`` forgets it. The cluster
+enrols its agents with an enrolment token it makes with it.
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ import httpx
 
 from torchrelay import tls
 from torchrelay.client.address import LOCAL_HOST, ListenPlan
+from torchrelay.client.credentials import forget_token, store_token
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import Conflict, ServerUnavailable
-from torchrelay.home import cluster_file, read_json, relay_home, server_file, write_json
+from torchrelay.home import admin_token_file, cluster_file, read_json, relay_home, server_file, write_json
 
 
 @dataclass
@@ -126,6 +131,10 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
     write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "started_at": time.time()})
     try:
         address = _wait_for_server(home, server, timeout_s, ca)
+        store_token(address, _admin_token(home, address))
+        write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
+                                        "started_at": time.time()})
+        enrolment = {"RELAY_ENROLL_TOKEN": _enroll_token(home, address, ca)} if agents else {}
         for i in range(agents):
             argv = [*cli, "agent", "--address", address, "--name", f"agent-{i}",
                     "--work-dir", str(home / "agents" / f"agent-{i}")]
@@ -135,15 +144,30 @@ def start_cluster(agents: int = 1, *, home: Path | None = None, agent_cpus: floa
                 argv += agent_options[i].argv()
             elif agent_cpus is not None:
                 argv += ["--cpus", str(agent_cpus)]
-            pids.append(_spawn(argv, home, f"agent-{i}", agent_env).pid)
+            pids.append(_spawn(argv, home, f"agent-{i}", {**enrolment, **(agent_env or {})}).pid)
             write_json(cluster_file(home), {"pids": pids, "starts": _starts(pids), "address": address,
                                             "started_at": time.time()})
-        with RelayClient(address, ca=ca) as client:
+        with RelayClient(address, ca=ca, token=_admin_token(home, address)) as client:
             client.wait_for_nodes(agents, timeout=timeout_s)
     except BaseException:
         stop_cluster(home)
         raise
     return Cluster(home=home, address=address, pids=pids)
+
+
+def _admin_token(home: Path, address: str) -> str:
+    try:
+        return admin_token_file(home).read_text().strip()
+    except OSError as exc:
+        raise ServerUnavailable(f"the server at {address} left no admin token at {admin_token_file(home)} "
+                                f"({exc.strerror}); its state store was made elsewhere: start agents with "
+                                "`relay agent --enroll-token`") from None
+
+
+def _enroll_token(home: Path, address: str, ca: str | Path | None = None) -> str:
+    """A node enrolment token made with the admin token the server wrote in ``home``."""
+    with RelayClient(address, ca=ca, token=_admin_token(home, address)) as client:
+        return client.admin.enroll_token(label="embedded cluster")["token"]
 
 
 def check_listenable(listen: ListenPlan) -> None:
@@ -201,6 +225,8 @@ def stop_cluster(home: Path | None = None, grace_s: float = 10.0) -> bool:
             _reap(pid)
     cluster_file(home).unlink(missing_ok=True)
     server_file(home).unlink(missing_ok=True)
+    if info.get("address"):
+        forget_token(info["address"])
     return ran
 
 

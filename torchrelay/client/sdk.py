@@ -6,7 +6,9 @@ running embedded cluster's ``<RELAY_HOME>/server.json``. Errors come back as the
 ``ServerUnavailable`` saying where it looked, where the address came from (and, when
 ``RELAY_ADDRESS`` and the server ``RELAY_HOME`` records disagree, both) and how to start one.
 Methods block for at most their ``wait``/``timeout`` arguments plus one HTTP round trip per
-server tried. The address may name several servers of one cluster, comma-separated: a call
+server tried. Every call carries the token ``credentials.token_for`` finds for the address
+(``RELAY_TOKEN``, the embedded cluster's own, or what ``relay login`` stored), unless one is
+given (``token=``); a missing or refused one raises ``Unauthenticated``. The address may name several servers of one cluster, comma-separated: a call
 that finds no answer tries the next, and one that reaches a follower goes to the leader it
 names (``torchrelay.servers``); ``address`` is the one in use. An ``https://`` server's
 certificate is verified against ``ca`` (else ``RELAY_CA``, else the system's CAs); when it does
@@ -27,6 +29,7 @@ from torchrelay import tls
 from torchrelay.client.address import AddressSource, unreachable_message
 from torchrelay.client.bundle import pack_dir
 from torchrelay.paths import safe_relative_path
+from torchrelay.client.credentials import token_for
 from torchrelay.client.replies import raise_for_error
 from torchrelay.client.streams import follow_stream
 from torchrelay.errors import Conflict, RelayError, ServerUnavailable
@@ -60,7 +63,7 @@ class RelayClient:
     """A connection to one torchrelay server. Thread-safe (one httpx client)."""
 
     def __init__(self, address: str | None = None, *, timeout: float = 30.0, user: str | None = None,
-                 ca: str | Path | None = None):
+                 ca: str | Path | None = None, token: str | None = None):
         resolved = resolve_address(address)
         if resolved is None:
             raise ServerUnavailable(
@@ -72,10 +75,20 @@ class RelayClient:
             self._servers = ServerList(parse_addresses(named))
         except ValueError as exc:
             raise ServerUnavailable(f"{exc} (from {self._source.value})") from None
-        self.user = user or os.environ.get("RELAY_USER") or _login_name()
+        # the server knows who submits from the token; a user named here (or RELAY_USER) goes
+        # into the spec, which only an admin's token may do for another user
+        self._for_user = user or os.environ.get("RELAY_USER")
+        self.user = self._for_user or _login_name()
+        self.token = token or token_for(named)
         self.ca = ca  # None: RELAY_CA, else the system's CAs (torchrelay.tls)
         self._http = httpx.Client(base_url=self.address + API_PREFIX, timeout=timeout,
-                                  headers={"x-relay-user": self.user}, verify=tls.verify_for(named, ca))
+                                  headers={"authorization": f"Bearer {self.token}"} if self.token else {},
+                                  verify=tls.verify_for(named, ca))
+
+    @property
+    def admin(self) -> AdminCalls:
+        """Users, tokens and node enrolment tokens."""
+        return AdminCalls(self)
 
     @property
     def address(self) -> str:
@@ -95,6 +108,10 @@ class RelayClient:
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         extra = {"timeout": timeout} if timeout is not None else {}
+        if not self.token:  # a client made before its server first started (and wrote its token)
+            self.token = token_for(self._servers.current)
+            if self.token:
+                self._http.headers["authorization"] = f"Bearer {self.token}"
         patience = time.monotonic() + LEADER_WAIT_S
         tries = len(self._servers.addresses) + 1
         while True:  # each server once (no answer), a leader named, and a takeover's wait
@@ -181,6 +198,8 @@ class RelayClient:
     def submit(self, spec: JobSpec | dict[str, Any], *, base_dir: str | Path = ".", upload: bool = True) -> JobInfo:
         """Submit a job; ``spec.workdir`` (relative to ``base_dir``) is packed and uploaded."""
         spec = spec if isinstance(spec, JobSpec) else JobSpec.parse(spec)
+        if self._for_user and spec.user is None:
+            spec = spec.model_copy(update={"user": self._for_user})
         bundle = None
         if upload:
             bundle = self.upload_bundle(Path(base_dir) / spec.workdir)
@@ -198,8 +217,11 @@ class RelayClient:
         return self._request("POST", "/jobs/dryrun", content=body.model_dump_json(),
                              headers={"content-type": "application/json"}).json()
 
-    def jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
+    def jobs(self, state: str | None = None, limit: int = 100, *, all_users: bool = False) -> list[JobInfo]:
+        """The caller's newest jobs; ``all_users``: everyone's (admins only)."""
         params: dict[str, Any] = {"limit": limit}
+        if all_users:
+            params["all"] = "true"
         if state:
             params["state"] = state
         return [JobInfo.model_validate(x) for x in self._get("/jobs", params=params)]
@@ -300,6 +322,10 @@ class RelayClient:
         """One artifact's bytes. Raises NotFound naming it when the job has no such artifact."""
         return self._request("GET", f"/jobs/{job_id}/artifacts/{path}").content
 
+    def put_artifact(self, job_id: str, path: str, data: bytes) -> ArtifactInfo:
+        """Store ``data`` as the job's artifact ``path`` (a worker's ``RELAY_TOKEN`` may, for its own job)."""
+        return ArtifactInfo.model_validate(self._request("PUT", f"/jobs/{job_id}/artifacts/{path}", content=data).json())
+
     def download(self, job_id: str, dest: str | Path, *, prefix: str = "") -> list[Path]:
         """Fetch every artifact of the job (whose path starts with ``prefix``) into ``dest``;
         returns the written paths."""
@@ -322,6 +348,41 @@ class RelayClient:
                 os.replace(tmp, target)
             written.append(target)
         return written
+
+
+class AdminCalls:
+    """Users, tokens and node enrolment (``RelayClient.admin``)."""
+
+    def __init__(self, client: "RelayClient"):
+        self._c = client
+
+    def whoami(self) -> dict[str, Any]:
+        return self._c._get("/whoami")
+
+    def users(self) -> list[dict[str, Any]]:
+        return self._c._get("/users")
+
+    def add_user(self, name: str, role: str = "user") -> dict[str, Any]:
+        return self._c._request("POST", "/users", json={"name": name, "role": role}).json()
+
+    def remove_user(self, name: str) -> None:
+        self._c._request("DELETE", f"/users/{name}")
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self._c._get("/tokens")
+
+    def create_token(self, user: str | None = None, *, label: str = "",
+                     expires_in_s: float | None = None) -> dict[str, Any]:
+        """A new token; its text is ``["token"]`` of the reply, shown this once."""
+        return self._c._request("POST", "/tokens", json={"user": user, "label": label,
+                                                          "expires_in_s": expires_in_s}).json()
+
+    def revoke_token(self, token_id: str) -> None:
+        self._c._request("DELETE", f"/tokens/{token_id}")
+
+    def enroll_token(self, *, label: str = "", expires_in_s: float | None = None) -> dict[str, Any]:
+        return self._c._request("POST", "/nodes/enroll-tokens", json={"label": label,
+                                                                     "expires_in_s": expires_in_s}).json()
 
 
 def _login_name() -> str:

@@ -13,15 +13,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from torchrelay import __version__
-from torchrelay.errors import RelayError
-from torchrelay.server import longpoll, prometheus, streams, tensorboard, uploads
+from torchrelay.errors import Forbidden, RelayError
+from torchrelay.server import guard, longpoll, prometheus, streams, tensorboard, uploads
+from torchrelay.server.auth import Credentials
+from torchrelay.server.auth_routes import auth_routes
 from torchrelay.server.config import UploadLimits
 from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_routes
 from torchrelay.server.series import SeriesCache
@@ -34,11 +36,15 @@ from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, Hea
 MAX_WAIT_S = 60.0
 
 
-def create_app(service: ClusterService, lifecycle: Any = None, limits: UploadLimits | None = None) -> FastAPI:
+def create_app(service: ClusterService, lifecycle: Any = None, limits: UploadLimits | None = None,
+               access: guard.Guard | None = None) -> FastAPI:
     """The server app. The scheduler thread runs while the app is served; ``lifecycle`` (an
     object with ``start``/``stop``, e.g. ``leadership.Leadership``) starts and stops it instead
-    of the service itself. ``limits``: the most one upload may hold (413 past it; ``uploads``)."""
+    of the service itself. ``limits``: the most one upload may hold (413 past it; ``uploads``).
+    Every route but ``/health`` needs a credential (``guard``); ``access`` holds the credentials
+    and the rate limiter (default: over the service's store)."""
     owner = lifecycle or service
+    access = access or guard.Guard(Credentials(service.db, service.clock), service.db)
 
     exporter = tensorboard.Exporter(service)
 
@@ -52,19 +58,35 @@ def create_app(service: ClusterService, lifecycle: Any = None, limits: UploadLim
             exporter.stop()
             owner.stop()
 
-    app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan,
-                  openapi_url=f"{API_PREFIX}/openapi.json", docs_url=f"{API_PREFIX}/docs", redoc_url=None)
+    # the OpenAPI document and its docs page are routes of our own (below) so that they too need a token
+    app = FastAPI(title="torchrelay", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None, dependencies=[Depends(guard.authorize)])
     app.state.service = service
     app.add_middleware(uploads.BodyLimits, limits=limits or UploadLimits())
+    app.state.guard = access
     _error_handlers(app)
     for routes in (_bundle_routes, _job_routes, _agent_routes, _stream_routes):
         app.include_router(routes(service))
+    app.include_router(auth_routes(access.credentials))
+    _schema_routes(app)
 
     app.include_router(dashboard_routes(service))
     prometheus.install(app, service)
     app.include_router(tensorboard.tensorboard_routes(exporter))
     app.mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="dashboard-static")
     return app
+
+
+def _schema_routes(app: FastAPI) -> None:
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    @app.get(f"{API_PREFIX}/openapi.json", include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get(f"{API_PREFIX}/docs", include_in_schema=False)
+    def docs() -> Response:
+        return get_swagger_ui_html(openapi_url=f"{API_PREFIX}/openapi.json", title="torchrelay API")
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -120,7 +142,7 @@ def _job_routes(svc: ClusterService) -> APIRouter:
     @api.post("/jobs", response_model=JobInfo, status_code=201)
     async def submit(body: SubmitRequest, request: Request) -> Response:
         """Returns once the job is committed; concurrent submissions share one commit."""
-        info = await svc.submit_async(body.spec, body.bundle, request.headers.get("x-relay-user"))
+        info = await svc.submit_async(_owned(body.spec, request), body.bundle, guard.principal(request).name)
         # serialized once here: returning the model would have FastAPI validate it again
         return Response(content=info.model_dump_json(), media_type="application/json", status_code=201)
 
@@ -128,16 +150,23 @@ def _job_routes(svc: ClusterService) -> APIRouter:
     def dryrun(body: SubmitRequest, request: Request) -> dict[str, Any]:
         """What submitting the spec would do, submitting nothing: ``{"executor", "spec",
         "submission"}`` (the executor's own text, e.g. Slurm's batch script; null for the agents)."""
-        return svc.dryrun(body.spec, request.headers.get("x-relay-user"))
+        return svc.dryrun(_owned(body.spec, request), guard.principal(request).name)
 
     @api.get("/jobs", response_model=list[JobInfo])
-    def list_jobs(state: str | None = None, limit: int = Query(100, ge=1, le=10000)) -> list[JobInfo]:
-        return svc.list_jobs(state, limit)
+    def list_jobs(request: Request, state: str | None = None, limit: int = Query(100, ge=1, le=10000),
+                  all: bool = Query(False, description="every user's jobs (admins only)")) -> list[JobInfo]:
+        """The caller's newest jobs (``all``: everyone's, for an admin)."""
+        who = guard.principal(request)
+        if all and not who.admin:
+            raise Forbidden(f"only an admin lists every user's jobs; you are {who.name!r}")
+        return svc.list_jobs(state, limit, user=None if all else who.name)
 
     @api.get("/queue")
-    def queue() -> list[dict[str, Any]]:
-        """Waiting jobs in scheduling order with reason and estimated start (null if unknown)."""
-        return svc.queue_view()
+    def queue(request: Request) -> list[dict[str, Any]]:
+        """Waiting jobs in scheduling order with reason and estimated start (null if unknown);
+        other users' jobs (unless the caller is an admin) without their ids, names or reasons."""
+        who = guard.principal(request)
+        return [row if who.admin or row.get("user") == who.name else _redacted(row) for row in svc.queue_view()]
 
     @api.get("/quotas")
     def quotas() -> dict[str, Any]:
@@ -191,6 +220,20 @@ def _job_routes(svc: ClusterService) -> APIRouter:
     return api
 
 
+def _owned(spec: dict[str, Any], request: Request) -> dict[str, Any]:
+    """The spec as the caller may submit it: its ``user`` is the caller's (an admin may name
+    another user, whose quota and share it then counts). Raises Forbidden."""
+    who = guard.principal(request)
+    named = spec.get("user") if isinstance(spec, dict) else None
+    if named and named != who.name and not who.admin:
+        raise Forbidden(f"spec.user {named!r} is not you ({who.name!r}); only an admin submits for another user")
+    return {**spec, "user": named or who.name} if isinstance(spec, dict) else spec
+
+
+def _redacted(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "id": None, "name": None, "reason": "another user's job"}
+
+
 def _stream_routes(svc: ClusterService) -> APIRouter:
     """Server-sent event streams (``streams``) and downsampled metric series (``series``)."""
     api = APIRouter(prefix=API_PREFIX)
@@ -226,14 +269,16 @@ def _stream_routes(svc: ClusterService) -> APIRouter:
         return await stream(streams.event_feed(svc, job_id, seq), last_event_id, after)
 
     @api.get("/events/stream", response_class=StreamingResponse)
-    async def stream_events(after: int = After, last_event_id: str | None = LastEventId,
+    async def stream_events(request: Request, after: int = After, last_event_id: str | None = LastEventId,
                             tail: int | None = Query(None, ge=0, description="start with the newest `tail` events "
                                                      "(instead of `after`; a reconnect's Last-Event-ID wins)")
                             ) -> StreamingResponse:
-        """Every job's events as they come (SSE, ``event: events``); never ends."""
+        """Every job's events as they come (SSE, ``event: events``); never ends. A user who is not an
+        admin gets their own jobs' only."""
         if tail is not None:
             after = max(0, await run_in_threadpool(svc.last_event_id) - tail)
-        return await stream(streams.event_feed(svc, None, None), last_event_id, after)
+        who = guard.principal(request)
+        return await stream(streams.event_feed(svc, None, None, None if who.admin else who.name), last_event_id, after)
 
     @api.get("/jobs/{job_id}/series", response_model=SeriesPage)
     def series(job_id: str, keys: str | None = Query(None, description="comma-separated metric keys (all)"),
@@ -254,12 +299,26 @@ def _agent_routes(svc: ClusterService) -> APIRouter:
     api = APIRouter(prefix=API_PREFIX)
 
     @api.post("/nodes/register", response_model=RegisterReply)
-    def register(body: NodeRegistration) -> RegisterReply:
-        return svc.register(body)
+    def register(body: NodeRegistration, request: Request) -> RegisterReply:
+        """With an enrolment token (or an admin's): a node and its own credential (``credential``,
+        given this once). With a node credential: that node again (after an agent restart)."""
+        who, creds = guard.principal(request), request.app.state.guard.credentials
+        if who.kind == "node":
+            if body.node_id not in (None, who.node_id):
+                raise Forbidden(f"this node's credential is for node {who.node_id}, not {body.node_id}")
+            return svc.register(body.model_copy(update={"node_id": who.node_id}))
+        reply = svc.register(body)
+        creds.revoke_node(reply.node_id)  # one credential per node: an enrolment again ends the last one
+        _, credential = creds.create_token("node", node_id=reply.node_id, label=body.name)
+        return reply.model_copy(update={"credential": credential})
 
     @api.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatReply)
-    async def heartbeat(node_id: str, body: Heartbeat) -> HeartbeatReply:
-        return await longpoll.heartbeat(svc, node_id, body)
+    async def heartbeat(node_id: str, body: Heartbeat, request: Request) -> HeartbeatReply:
+        reply = await longpoll.heartbeat(svc, node_id, body)
+        creds = request.app.state.guard.credentials
+        for launch in reply.launches:  # an HMAC each: nothing stored, nothing read
+            launch.worker_token = creds.worker_token(launch.job_id, launch.attempt)
+        return reply
 
     @api.post("/jobs/{job_id}/logs")
     def post_logs(job_id: str, body: LogBatch) -> dict[str, Any]:

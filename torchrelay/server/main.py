@@ -20,8 +20,10 @@ from typing import Sequence
 import uvicorn
 
 from torchrelay.errors import InvalidSpec
-from torchrelay.home import relay_home, server_file, write_json
+from torchrelay.home import admin_token_file, relay_home, server_file, write_json
 from torchrelay.server.app import create_app
+from torchrelay.server.auth import Credentials
+from torchrelay.server.guard import Guard
 from torchrelay.server.config import load_server_config
 from torchrelay.server.executors import Executor
 from torchrelay.server.events.relay import EventRelay
@@ -92,6 +94,35 @@ def check_tls_files(cert: Path | None, key: Path | None) -> None:
                           "make them") from None
 
 
+def first_admin_name() -> str:
+    import getpass
+
+    from torchrelay.server.auth import check_user_name
+
+    try:
+        return check_user_name(os.environ.get("RELAY_ADMIN_USER") or getpass.getuser())
+    except (InvalidSpec, KeyError, OSError):
+        return "admin"
+
+
+def announce_first_admin(credentials: Credentials, home: Path) -> None:
+    """On the store's first start: make the admin user, print its token (this once) and keep it
+    in ``<home>/admin.token`` (mode 0600), where the embedded cluster's client finds it. The admin
+    is named after the account that started the server (``RELAY_ADMIN_USER`` names another), so
+    that on one machine jobs go on carrying their submitter's login name."""
+    token = credentials.bootstrap_admin(first_admin_name())
+    if token is None:
+        return
+    path = admin_token_file(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    print(f"torchrelay: the admin token (shown this once; also in {path}, mode 0600):\n  {token}\n"
+          f"  `relay login --address ADDRESS --token TOKEN` stores it for the relay CLI", flush=True)
+
+
 def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, store_url: str | None = None,
           home: Path | None = None, heartbeat_timeout_s: float = 10.0, log_level: str = "warning",
           quotas_file: Path | None = None, executors: Sequence[Executor] = (),
@@ -128,8 +159,10 @@ def serve(*, host: str = "127.0.0.1", port: int = 0, db_url: str | None = None, 
                else f"{scheme}://{shown_host}:{bound_port}")
     service = ClusterService(db_url or default_db_url(home), store,
                              heartbeat_timeout_s=heartbeat_timeout_s, quotas=quotas, executors=executors)
+    access = Guard(Credentials(service.db, service.clock), service.db)
+    announce_first_admin(access.credentials, home)
     leadership = Leadership(service, (advertise or address).rstrip("/"))
-    app = create_app(service, lifecycle=leadership, limits=config.limits if config else None)
+    app = create_app(service, lifecycle=leadership, limits=config.limits if config else None, access=access)
     leadership.guard(app)
     relays = [EventRelay(url, service.engine, active=lambda: leadership.is_leader) for url in sink_urls]
     for relay in relays:

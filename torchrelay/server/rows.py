@@ -455,11 +455,13 @@ class Rows:
             waiting_reason=row.waiting_reason if state in (JobState.QUEUED, JobState.RESTARTING) else None,
             last_metrics=row.last_metrics or {}, events=evs)
 
-    def list_jobs(self, states: Sequence[str], limit: int) -> list[JobInfo]:
-        """The newest ``limit`` jobs (in ``states`` unless empty), newest first."""
+    def list_jobs(self, states: Sequence[str], limit: int, user: str | None = None) -> list[JobInfo]:
+        """The newest ``limit`` jobs (in ``states`` unless empty; ``user``'s only, when given), newest first."""
         q = select(JobRow).order_by(JobRow.seq.desc()).limit(limit)
         if states:
             q = q.where(JobRow.state.in_(states))
+        if user is not None:
+            q = q.where(JobRow.user == user)
         rows = list(self.s.scalars(q))
         # placements for the whole page in few queries, not one per job
         placed: dict[tuple[int, int], list[LaunchRow]] = {}

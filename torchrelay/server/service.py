@@ -115,15 +115,15 @@ class ClusterService:
         ticket = self.submissions.validated(spec_data, None, user)
         return self.executors.dryrun(ticket.spec, "job-0")
 
-    def list_jobs(self, state: str | None = None, limit: int = 100) -> list[JobInfo]:
-        """The newest jobs first, at most ``limit``; ``state``: comma-separated states to keep.
+    def list_jobs(self, state: str | None = None, limit: int = 100, user: str | None = None) -> list[JobInfo]:
+        """The newest jobs first (``user``'s only, when given), at most ``limit``; ``state``: comma-separated states to keep.
         Raises InvalidSpec naming a state that is not one."""
         states = [x.strip().upper() for x in (state or "").split(",") if x.strip()]
         bad = [x for x in states if x not in JobState.__members__]
         if bad:
             raise InvalidSpec(f"state {bad[0]!r} is not a job state; use one of {', '.join(JobState.__members__)}")
         with self.db.read() as rows:
-            return rows.list_jobs(states, max(1, min(limit, 10000)))
+            return rows.list_jobs(states, max(1, min(limit, 10000)), user)
 
     def get_job(self, job_id: str) -> JobInfo:
         """The job with its events. Raises NotFound."""

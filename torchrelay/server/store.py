@@ -196,6 +196,42 @@ class ClusterRow(Base):
     leader_since: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class UserRow(Base):
+    """A person (or service account) that holds user tokens; ``role`` is "admin" or "user"."""
+
+    __tablename__ = "users"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class TokenRow(Base):
+    """A credential, stored as the sha256 of its text (``auth.py``): a user's token, a node
+    enrolment token, or the credential one node got at its enrolment (``node_id``)."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    user_name: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    node_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    label: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class AuthKeyRow(Base):
+    """The server's secret (one row, id 1) that worker tokens are an HMAC of (``auth.py``)."""
+
+    __tablename__ = "auth_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    secret: Mapped[str] = mapped_column(String(128))
+
+
 def make_engine(url: str) -> Engine:
     """Engine for ``url``, its store migrated to this server's schema; SQLite gets WAL, a busy
     timeout and foreign keys. Raises ``StoreUnavailable`` (see the module docstring)."""

@@ -95,14 +95,20 @@ def metric_feed(svc: ClusterService, job_id: str, seq: int, limit: int = 5000) -
     return Feed(f"metrics:{seq}", f"metrics:{seq}", read)
 
 
-def event_feed(svc: ClusterService, job_id: str | None, seq: int | None, limit: int = 1000) -> Feed:
-    """A job's events (``job_id``), or every job's (None)."""
+def event_feed(svc: ClusterService, job_id: str | None, seq: int | None, user: str | None = None,
+               limit: int = 1000) -> Feed:
+    """A job's events (``job_id``), or every job's (None; with ``user``: that user's jobs' only)."""
     def read(after: int) -> Chunk:
         events, state = svc.events(after, job_id, limit)
         last = events[-1].id if events else after
-        return _chunk("events", events, _EVENTS, last, limit, state)
+        full = len(events) >= limit
+        if user is not None and events:
+            mine = {j.id for j in svc.list_jobs(None, 10000, user=user)}
+            events = [e for e in events if e.job_id in mine]
+        chunk = _chunk("events", events, _EVENTS, last, limit, state)
+        return Chunk(chunk.message if events else b"", last, full, chunk.finished)
     key = "events" if seq is None else f"events:{seq}"
-    return Feed(key, key, read)
+    return Feed(key if user is None else f"{key}@{user}", key, read)
 
 
 def _chunk(kind: str, rows: list, adapter: TypeAdapter, last_id: int, limit: int, state: JobState | None) -> Chunk:

@@ -36,9 +36,13 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
                                             help="the cgroup the agent's own goes under (default: its own)"),
           ca: str = typer.Option(None, "--ca", help="PEM file of the CA that signed an https:// server's "
                                  "certificate (default: RELAY_CA, else the system's CAs); the workers get "
-                                 "it too, as RELAY_CA")) -> None:
+                                 "it too, as RELAY_CA"),
+          enroll_token: str = typer.Option(None, "--enroll-token", envvar="RELAY_ENROLL_TOKEN",
+                                           help="a node enrolment token (`relay node enroll-token`); needed at the "
+                                           "first start only: the agent keeps the credential it gets in its work dir")) -> None:
     """Run an agent: register with the server, start and watch this node's workers."""
     from torchrelay.agent.daemon import Agent
+    from torchrelay.client.credentials import token_for
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
@@ -51,7 +55,10 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
         node = Agent(address, name=name, host=host, cpus=cpus, gpus=gpus, gpu_type=gpu_type,
                      memory=parse_memory(memory) if memory else None,
                      work_dir=work_dir or relay_home() / "agents" / name, labels=labels, zygote=zygote,
-                     cgroups=cgroups, cgroup_parent=cgroup_parent)
+                     cgroups=cgroups, cgroup_parent=cgroup_parent,
+                     # without an enrolment token: an admin's token, as the relay CLI would send it to this
+                     # server (RELAY_TOKEN, the embedded cluster's own, what `relay login` stored)
+                     enroll_token=enroll_token or token_for(address))
     except ValueError as exc:
         fail(str(exc))
     stop = threading.Event()

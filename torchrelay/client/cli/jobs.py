@@ -14,10 +14,11 @@ from torchrelay.client.cli.common import (OutputOpt, Output, ago, client, consol
 def ls(state: str = typer.Option(None, "--state", help="only jobs in these states, comma-separated, "
                                                          "e.g. QUEUED,RUNNING"),
        limit: int = typer.Option(50, "--limit", "-n", min=1, max=10000, help="at most this many jobs, the newest"),
+       all_users: bool = typer.Option(False, "--all", help="every user's jobs (admins)"),
        output: Output = OutputOpt) -> None:
-    """List jobs, newest first (in the table and in -o json alike); waiting jobs say why they wait."""
+    """List your jobs, newest first (in the table and in -o json alike); waiting jobs say why they wait."""
     with client() as c:
-        jobs = c.jobs(state, limit)
+        jobs = c.jobs(state, limit, all_users=all_users)
     if output == Output.json:
         return print_json(dump(jobs))
     table = Table(box=None, header_style="bold")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from torchrelay.client.cli import (agent, data, download, jobs, logs, metrics, nodes, queue, run, server, submit,
+from torchrelay.client.cli import (agent, auth, data, download, jobs, logs, metrics, nodes, queue, run, server, submit,
                                   tensorboard, up)
 
 app = typer.Typer(name="relay", help="torchrelay: run PyTorch training jobs on a cluster.",
@@ -37,6 +37,12 @@ app.command("download")(download.download)
 app.command("nodes")(nodes.nodes)
 app.command("tensorboard")(tensorboard.tensorboard)
 app.add_typer(data.app, name="data")
+app.command("login")(auth.login)
+app.command("logout")(auth.logout)
+app.command("whoami")(auth.whoami)
+app.add_typer(auth.user_app, name="user")
+app.add_typer(auth.token_app, name="token")
+app.add_typer(auth.node_app, name="node")
 
 
 def main() -> None:
