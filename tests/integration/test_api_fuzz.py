@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import serving
+from conftest import bearer, serving
 from torchrelay.client.sdk import RelayClient
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e .[test])")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLES = 20
 POLL_CAP_S = 0.2
 # what every fuzzed request carries: the one place a credential goes once the server asks for one
-HEADERS: dict[str, str] = {}
+HEADERS: dict[str, str] = {}  # the admin's bearer token, set by the ``live`` fixture
 TRACEBACK_MARKS = ("Traceback (most recent call last)", 'File "/', "site-packages/")
 
 
@@ -36,6 +36,7 @@ def live(tmp_path_factory):
     work = tmp_path_factory.mktemp("job")
     (work / "train.py").write_text("print('hello')\n")
     with serving(home) as address:
+        HEADERS.update(bearer(address))
         with RelayClient(address) as client:
             job = client.submit({"name": "fuzzed", "entrypoint": "python train.py", "workers": 1}, base_dir=work)
             client._request("PUT", f"/jobs/{job.id}/artifacts/model.pt", content=b"weights")

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from conftest import group_members, kill_group
+from conftest import bearer, group_members, kill_group
 from torchrelay.agent.bundles import BundleCache
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import InvalidPath, PayloadTooLarge
@@ -77,8 +77,9 @@ def relay_server(home: Path, config: dict | None = None):
 def raw_request(address: str, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request whose target is sent byte for byte as given."""
     url = urlsplit(address)
+    auth = "".join(f"{k}: {v}\r\n" for k, v in bearer(address).items())
     with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: {url.hostname}\r\nConnection: close\r\n"
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: {url.hostname}\r\nConnection: close\r\n{auth}"
                      f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
         data = b""
         while chunk := sock.recv(65536):
@@ -221,11 +222,11 @@ def test_crafted_bundles_are_refused_after_a_trip_through_the_server(limited, tm
     sentinel.write_bytes(SECRET)
     for name, (blob, member) in _bundles(outside).items():
         digest = hashlib.sha256(blob).hexdigest()
-        reply = httpx.post(f"{address}/api/v1/bundles", content=blob)
+        reply = httpx.post(f"{address}/api/v1/bundles", headers=bearer(address), content=blob)
         assert reply.status_code == 201 and reply.json()["digest"] == digest
         run_dir = tmp_path / "agent" / name
         cache = BundleCache(tmp_path / "agent-cache",
-                            lambda d: httpx.get(f"{address}/api/v1/bundles/{d}").raise_for_status().content)
+                            lambda d: httpx.get(f"{address}/api/v1/bundles/{d}", headers=bearer(address)).raise_for_status().content)
         with pytest.raises(BundleRefused) as caught:
             cache.unpack(digest, run_dir)
         message = str(caught.value)
@@ -255,7 +256,7 @@ def test_a_refused_bundle_fails_the_launch_with_a_clear_message(cluster_factory,
     blob = _tar([_file("train.py", b"print(1)"), _file("../../../evil.txt")])
     digest = hashlib.sha256(blob).hexdigest()
     with RelayClient(cluster.address) as c:
-        assert httpx.post(f"{cluster.address}/api/v1/bundles", content=blob).status_code == 201
+        assert httpx.post(f"{cluster.address}/api/v1/bundles", headers=bearer(cluster.address), content=blob).status_code == 201
         job = c._request("POST", "/jobs", json={"spec": {"entrypoint": "python train.py", "max_restarts": 0},
                                                  "bundle": digest}).json()
         deadline = time.monotonic() + 60
@@ -275,7 +276,7 @@ def test_over_limit_uploads_get_413_naming_the_limit_and_setting(limited, tmp_pa
     address, home = limited
     job_id = _new_job(address)
     big = os.urandom(2 << 20)
-    reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", content=big)
+    reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", headers=bearer(address), content=big)
     assert reply.status_code == 413
     assert reply.json() == {"error": "PayloadTooLarge", "detail": (
         "the artifact of 2 MiB is over the server's limit of 1 MiB (1048576 bytes); the limits.artifact "
@@ -284,20 +285,20 @@ def test_over_limit_uploads_get_413_naming_the_limit_and_setting(limited, tmp_pa
     def chunks():  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 65536):
             yield big[i:i + 65536]
-    reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", content=chunks())
+    reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", headers=bearer(address), content=chunks())
     assert reply.status_code == 413 and "limits.artifact" in reply.json()["detail"]
     assert not (home / "store" / "jobs" / job_id / "artifacts" / "big.bin").exists()
 
     logs = {"launch_id": "l", "records": [{"rank": 0, "seq": i, "text": "x" * 1000} for i in range(100)]}
-    reply = httpx.post(f"{address}/api/v1/jobs/{job_id}/logs", json=logs)
+    reply = httpx.post(f"{address}/api/v1/jobs/{job_id}/logs", headers=bearer(address), json=logs)
     assert reply.status_code == 413 and "over the server's limit of 64 KiB" in reply.json()["detail"]
     assert "limits.log_batch" in reply.json()["detail"]
     metrics = {"launch_id": "l", "records": [{"rank": 0, "seq": i, "step": i, "time": 0.0,
                                               "values": {f"k{j}": 1.0 for j in range(100)}} for i in range(100)]}
-    reply = httpx.post(f"{address}/api/v1/jobs/{job_id}/metrics", json=metrics)
+    reply = httpx.post(f"{address}/api/v1/jobs/{job_id}/metrics", headers=bearer(address), json=metrics)
     assert reply.status_code == 413 and "limits.metric_batch" in reply.json()["detail"]
     small = {"launch_id": "l", "records": [{"rank": 0, "seq": 1, "text": "fits"}]}
-    assert httpx.post(f"{address}/api/v1/jobs/{job_id}/logs", json=small).status_code == 200
+    assert httpx.post(f"{address}/api/v1/jobs/{job_id}/logs", headers=bearer(address), json=small).status_code == 200
 
     work = tmp_path / "work"
     work.mkdir()
@@ -333,12 +334,12 @@ def test_a_200_MB_upload_is_streamed_not_held_in_memory(tmp_path):
     with relay_server(tmp_path / "home", config) as (address, pid):
         job_id = _new_job(address)
         # warm every path first (imports, thread pool), so what is left to grow is the upload
-        assert httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/warm.bin", content=block).status_code == 200
-        assert httpx.post(f"{address}/api/v1/bundles", content=block).status_code == 201
+        assert httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/warm.bin", headers=bearer(address), content=block).status_code == 200
+        assert httpx.post(f"{address}/api/v1/bundles", headers=bearer(address), content=block).status_code == 201
         before = _peak_rss(pid)
-        reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", content=body(), timeout=300)
+        reply = httpx.put(f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", headers=bearer(address), content=body(), timeout=300)
         assert reply.status_code == 200 and reply.json()["size"] == size
-        reply = httpx.post(f"{address}/api/v1/bundles", content=body(), timeout=300)
+        reply = httpx.post(f"{address}/api/v1/bundles", headers=bearer(address), content=body(), timeout=300)
         assert reply.status_code == 201 and reply.json() == {"digest": expected, "size": size}
         grown = _peak_rss(pid) - before
         stored = tmp_path / "home" / "store" / "jobs" / job_id / "artifacts" / "big.bin"
@@ -348,7 +349,7 @@ def test_a_200_MB_upload_is_streamed_not_held_in_memory(tmp_path):
             while chunk := fh.read(1 << 20):
                 on_disk.update(chunk)
         assert on_disk.hexdigest() == expected
-        with httpx.stream("GET", f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", timeout=300) as resp:
+        with httpx.stream("GET", f"{address}/api/v1/jobs/{job_id}/artifacts/big.bin", headers=bearer(address), timeout=300) as resp:
             digest = hashlib.sha256()
             for chunk in resp.iter_bytes(1 << 20):
                 digest.update(chunk)

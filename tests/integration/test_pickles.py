@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from logins import bearer
 from torchrelay.client.sdk import RelayClient
 
 
@@ -62,7 +63,7 @@ def test_relay_download_and_the_server_never_unpickle_what_a_job_stored(server, 
     with RelayClient(server) as c:
         job_id = c.submit({"entrypoint": "python x.py"}, upload=False).id
     for path, data in payloads.items():
-        assert httpx.put(f"{server}/api/v1/jobs/{job_id}/artifacts/{path}", content=data).status_code == 200
+        assert httpx.put(f"{server}/api/v1/jobs/{job_id}/artifacts/{path}", headers=bearer(server), content=data).status_code == 200
     # checkpoint files as a worker would have left them, pickles where DCP keeps its metadata and values
     step = relay_home / "store" / "jobs" / job_id / "checkpoints" / "step-0000000001"
     step.mkdir(parents=True)
@@ -79,14 +80,14 @@ def test_relay_download_and_the_server_never_unpickle_what_a_job_stored(server, 
     assert _cli("status", job_id, "-o", "json", address=server, cwd=tmp_path).returncode == 0
 
     for path, data in payloads.items():
-        assert httpx.get(f"{server}/api/v1/jobs/{job_id}/artifacts/{path}").content == data
-    listed = httpx.get(f"{server}/api/v1/jobs/{job_id}/checkpoints").json()
+        assert httpx.get(f"{server}/api/v1/jobs/{job_id}/artifacts/{path}", headers=bearer(server)).content == data
+    listed = httpx.get(f"{server}/api/v1/jobs/{job_id}/checkpoints", headers=bearer(server)).json()
     assert {x["path"] for x in listed} >= {"latest", f"{step.name}/.metadata", f"{step.name}/__0_0.distcp"}
     for entry in listed:
-        assert httpx.get(f"{server}/api/v1/jobs/{job_id}/checkpoints/{entry['path']}").status_code == 200
-    httpx.post(f"{server}/api/v1/jobs/{job_id}/tensorboard")
+        assert httpx.get(f"{server}/api/v1/jobs/{job_id}/checkpoints/{entry['path']}", headers=bearer(server)).status_code == 200
+    httpx.post(f"{server}/api/v1/jobs/{job_id}/tensorboard", headers=bearer(server))
     for route in ("/", f"/api/v1/jobs/{job_id}", f"/api/v1/jobs/{job_id}/artifacts", "/metrics"):
-        httpx.get(f"{server}{route}")
+        httpx.get(f"{server}{route}", headers=bearer(server))
     with RelayClient(server) as c:
         c.cancel(job_id)
     assert not marker.exists()
