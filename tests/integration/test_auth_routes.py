@@ -401,3 +401,10 @@ def test_metrics_are_for_admins_and_scrapers_only(world):
     assert _call(world, "GET", "/metrics", world.alice).status_code == 403  # job names of everyone
     for method, path in [("GET", f"{API}/jobs"), ("GET", f"{API}/nodes"), ("POST", f"{API}/jobs")]:
         assert _call(world, method, path, scraper).status_code == 403
+
+
+def test_the_embedded_clusters_server_log_is_private(cluster_factory):
+    cluster = cluster_factory(0)
+    log = cluster.home / "logs" / "server.log"
+    assert admin_token_file(cluster.home).read_text().strip() in log.read_text()  # printed there, once...
+    assert log.stat().st_mode & 0o777 == 0o600  # ...so only its owner reads it

@@ -50,7 +50,9 @@ def _spawn(argv: list[str], home: Path, log_name: str, extra_env: dict[str, str]
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RELAY_HOME": str(home), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     env.pop("RELAY_ADDRESS", None)
-    with open(logs / f"{log_name}.log", "ab") as out:
+    # 0600: the server's log holds the first admin's token, printed at its first start
+    fd = os.open(logs / f"{log_name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=str(home))
 
