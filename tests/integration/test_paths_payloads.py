@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from conftest import bearer, group_members, kill_group
+from logins import login_as_admin
 from torchrelay.agent.bundles import BundleCache
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import InvalidPath, PayloadTooLarge
@@ -67,6 +68,7 @@ def relay_server(home: Path, config: dict | None = None):
                 assert proc.poll() is None, (home / "server.log").read_text()
                 assert time.monotonic() < deadline, "server did not start"
                 time.sleep(0.05)
+            login_as_admin(home, info["address"])
             yield info["address"], proc.pid
         finally:
             kill_group(proc.pid)
