@@ -180,6 +180,7 @@ def test_a_user_sees_and_touches_only_their_own_jobs_through_the_api(world):
                 call()
         queue = bob.queue()
         assert all(row["name"] != "secret-alice" and row["id"] != world.job_a for row in queue)
+        assert all(row["user"] in (None, "bob") and row["max_runtime_s"] is None for row in queue if row["id"] is None)
         with pytest.raises(Exception, match="only an admin"):
             bob.jobs(all_users=True)
         with pytest.raises(Exception, match="only an admin submits for another user"):
@@ -305,8 +306,9 @@ def test_bad_tokens_past_the_limit_get_429_naming_it(tmp_path):
         assert set(codes) == {401}
         r = httpx.get(f"{address}{API}/jobs", headers={"authorization": "Bearer rlu_wrong"})
         assert r.status_code == 429 and "30 bad tokens" in r.json()["detail"]
-        # while it lasts even a good token from that address is refused unchecked; health stays open
-        assert httpx.get(f"{address}{API}/jobs", headers={"authorization": f"Bearer {good}"}).status_code == 429
+        # a good token from that address still passes (an agent shares its address with jobs); health stays open
+        assert httpx.get(f"{address}{API}/jobs", headers={"authorization": f"Bearer {good}"}).status_code == 200
+        assert httpx.get(f"{address}{API}/jobs", headers={"authorization": "Bearer rlu_wrong"}).status_code == 429
         assert httpx.get(f"{address}{API}/health").status_code == 200
 
 
@@ -408,3 +410,25 @@ def test_the_embedded_clusters_server_log_is_private(cluster_factory):
     log = cluster.home / "logs" / "server.log"
     assert admin_token_file(cluster.home).read_text().strip() in log.read_text()  # printed there, once...
     assert log.stat().st_mode & 0o777 == 0o600  # ...so only its owner reads it
+
+
+def test_an_enrolment_token_makes_a_new_node_and_cannot_take_over_a_known_one(world):
+    with RelayClient(world.address, token=world.admin) as c:
+        enrol = c.admin.enroll_token(label="takeover")["token"]
+    body = NodeRegistration(name="n1", address="127.0.0.1", cpus=8, memory=2**33,
+                            node_id=world.node_id).model_dump(mode="json")
+    reply = httpx.post(f"{world.address}{API}/nodes/register", json=body, timeout=10,
+                       headers={"authorization": f"Bearer {enrol}"})
+    assert reply.status_code == 200 and reply.json()["node_id"] != world.node_id
+    # the known node's own credential still works, and its launches (their worker tokens) stayed its own
+    beat = _beat(world.address, world.node, world.node_id)
+    assert {x["job_id"] for x in beat["launches"]} >= {world.job_a, world.job_b}
+    stolen = _beat(world.address, reply.json()["credential"], reply.json()["node_id"])
+    assert stolen["launches"] == []
+
+
+def test_a_body_past_the_request_limit_is_refused_before_anything_reads_it(world):
+    big = b'{"spec": {"entrypoint": "' + b"x" * (9 << 20) + b'"}}'
+    reply = httpx.post(f"{world.address}{API}/jobs", content=big, timeout=60,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 413 and "limits.request" in reply.json()["detail"]

@@ -135,6 +135,12 @@ def test_job_env_cannot_override_relay_variables(tmp_path):
     assert env["RELAY_JOB_ID"] == "J1"
 
 
+def test_the_agents_own_credentials_never_reach_its_workers(tmp_path):
+    base = {"PATH": "/bin", "RELAY_ENROLL_TOKEN": "rle_secret", "RELAY_TOKEN": "rlu_operators"}
+    env = build_worker_env(assignment(), base_env=base, run_dir=tmp_path, relay_address="http://s:1")
+    assert "RELAY_ENROLL_TOKEN" not in env and "RELAY_TOKEN" not in env and env["PATH"] == "/bin"
+
+
 @pytest.mark.parametrize("store_options, base, expected", [
     ({}, {}, None),
     ({}, {"RELAY_STORE_OPTIONS": '{"region": "stale"}'}, None),        # only what the server says now

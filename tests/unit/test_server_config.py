@@ -29,7 +29,7 @@ def test_parses(data, expected):
     ({"store": {"url": ""}}, "store.url must be a non-empty URL"),
     ({"store": {"url": "s3://b", "options": ["a"]}}, "store.options must be a mapping"),
     ({"limits": {"artifacts": "1GiB"}}, "limits: unknown key 'artifacts'; known keys: bundle, artifact, "
-                                         "log_batch, metric_batch"),
+                                         "log_batch, metric_batch, request"),
     ({"limits": {"bundle": "lots"}}, r"limits.bundle must be a size above 0 .* got 'lots'"),
     ({"limits": {"bundle": 0}}, r"limits.bundle must be a size above 0"),
     ({"limits": {"bundle": True}}, r"limits.bundle must be a size above 0"),
@@ -68,8 +68,9 @@ def test_only_named_public_options_reach_workers(options, expected):
 @pytest.mark.parametrize("method, path, limit", [
     ("POST", "/api/v1/bundles", "bundle"), ("PUT", "/api/v1/jobs/job-1/artifacts/a/b.pt", "artifact"),
     ("POST", "/api/v1/jobs/job-1/logs", "log_batch"), ("POST", "/api/v1/jobs/job-1/metrics", "metric_batch"),
-    ("GET", "/api/v1/jobs/job-1/artifacts/a", None), ("POST", "/api/v1/jobs", None),
-    ("PUT", "/api/v1/jobs/job-1/artifacts/", None), ("POST", "/api/v1/jobs/job-1/logs/stream", None),
+    ("GET", "/api/v1/jobs/job-1/artifacts/a", None), ("POST", "/api/v1/jobs", "request"),
+    ("PUT", "/api/v1/jobs/job-1/artifacts/", "request"), ("POST", "/api/v1/jobs/job-1/logs/stream", "request"),
+    ("POST", "/api/v1/nodes/register", "request"), ("HEAD", "/api/v1/bundles/x", None),
 ])
 def test_which_limit_bounds_a_request(method, path, limit):
     from torchrelay.server.uploads import limit_for

@@ -107,3 +107,23 @@ def test_a_generic_fsspec_store_checks_then_writes(tmp_path):
     store.advance_fence("j", 4)
     assert store.read_fence("j") == 4
     store.delete_prefix("")
+
+
+def test_a_link_planted_in_a_local_store_is_not_followed_on_read(tmp_path):
+    from torchrelay.errors import NotFound
+
+    secret = tmp_path / "admin.token"
+    secret.write_text("rlu_secret")
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.put_bytes("jobs/job-1/artifacts/own.txt", b"mine")
+    store.put_bytes("jobs/job-2/artifacts/theirs.txt", b"theirs")
+    folder = tmp_path / "store" / "jobs" / "job-1" / "artifacts"
+    (folder / "link").symlink_to(secret)  # what a job's code can do in its own folder
+    (folder / "peer").symlink_to(tmp_path / "store" / "jobs" / "job-2" / "artifacts")
+    for key in ("jobs/job-1/artifacts/link", "jobs/job-1/artifacts/peer/theirs.txt"):
+        for read in (store.get_bytes, store.size, lambda k: store.open_read(k).__enter__(),
+                     lambda k: store.get_file(k, tmp_path / "copy")):
+            with pytest.raises(NotFound, match="symbolic link"):
+                read(key)
+    assert store.get_bytes("jobs/job-1/artifacts/own.txt") == b"mine"
+    assert not (tmp_path / "copy").exists()

@@ -71,6 +71,9 @@ def direct_command(target: WorkerTarget, python: str = sys.executable) -> list[s
     return target.program_argv()
 
 
+AGENT_SECRETS = frozenset({"RELAY_ENROLL_TOKEN", "RELAY_TOKEN"})
+
+
 def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str, str],
                      run_dir: Path, relay_address: str, cuda_visible_devices: str | None = None,
                      node_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -80,7 +83,9 @@ def build_worker_env(assignment: wire.LaunchAssignment, *, base_env: Mapping[str
     ``cuda_visible_devices`` (the devices the agent gave this launch, see
     ``torchrelay.agent.gpus``; None: leave the variable as it is) wins over both.
     """
-    env = dict(base_env)
+    # never a credential of the agent's own (its enrolment token, a token the operator exported):
+    # a job's code runs with this environment
+    env = {k: v for k, v in base_env.items() if k not in AGENT_SECRETS}
     env.update(node_env or {})
     env.update(assignment.env)
     env.setdefault("OMP_NUM_THREADS", "1")

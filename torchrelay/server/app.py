@@ -65,7 +65,7 @@ def create_app(service: ClusterService, lifecycle: Any = None, limits: UploadLim
     app.add_middleware(uploads.BodyLimits, limits=limits or UploadLimits())
     app.state.guard = access
     _error_handlers(app)
-    for routes in (_bundle_routes, _job_routes, _agent_routes, _stream_routes):
+    for routes in (_bundle_routes, _job_routes, _artifact_routes, _agent_routes, _stream_routes):
         app.include_router(routes(service))
     app.include_router(auth_routes(access.credentials))
     _schema_routes(app)
@@ -164,7 +164,7 @@ def _job_routes(svc: ClusterService) -> APIRouter:
     @api.get("/queue")
     def queue(request: Request) -> list[dict[str, Any]]:
         """Waiting jobs in scheduling order with reason and estimated start (null if unknown);
-        other users' jobs (unless the caller is an admin) without their ids, names or reasons."""
+        other users' jobs (unless the caller is an admin) without their ids, names, users or reasons."""
         who = guard.principal(request)
         return [row if who.admin or row.get("user") == who.name else _redacted(row) for row in svc.queue_view()]
 
@@ -196,6 +196,17 @@ def _job_routes(svc: ClusterService) -> APIRouter:
         return await longpoll.follow(svc, "metrics", job_id, wait, lambda: svc.metrics(job_id, after),
                                      lambda page: bool(page.points))
 
+    @api.get("/nodes", response_model=list[NodeInfo])
+    def list_nodes() -> list[NodeInfo]:
+        return svc.list_nodes()
+
+    return api
+
+
+def _artifact_routes(svc: ClusterService) -> APIRouter:
+    """A job's artifacts: listed, streamed down, streamed up."""
+    api = APIRouter(prefix=API_PREFIX)
+
     @api.get("/jobs/{job_id}/artifacts", response_model=list[ArtifactInfo])
     def list_artifacts(job_id: str) -> list[ArtifactInfo]:
         return svc.artifacts(job_id)
@@ -213,10 +224,6 @@ def _job_routes(svc: ClusterService) -> APIRouter:
             await run_in_threadpool(svc.store.put_file, key, body.path)
         return ArtifactInfo(path=path, size=body.size)
 
-    @api.get("/nodes", response_model=list[NodeInfo])
-    def list_nodes() -> list[NodeInfo]:
-        return svc.list_nodes()
-
     return api
 
 
@@ -231,7 +238,9 @@ def _owned(spec: dict[str, Any], request: Request) -> dict[str, Any]:
 
 
 def _redacted(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "id": None, "name": None, "reason": "another user's job"}
+    """Another user's waiting job: its place, size, priority and estimated start (what says how
+    long the caller's own jobs wait), not whose it is, what or why."""
+    return {**row, "id": None, "name": None, "user": None, "max_runtime_s": None, "reason": "another user's job"}
 
 
 def _stream_routes(svc: ClusterService) -> APIRouter:
@@ -307,6 +316,10 @@ def _agent_routes(svc: ClusterService) -> APIRouter:
             if body.node_id not in (None, who.node_id):
                 raise Forbidden(f"this node's credential is for node {who.node_id}, not {body.node_id}")
             return svc.register(body.model_copy(update={"node_id": who.node_id}))
+        if body.node_id is not None and not who.admin:
+            # an enrolment token makes a new node: taking over a known one (its launches, their
+            # worker tokens) needs that node's own credential, or an admin's
+            body = body.model_copy(update={"node_id": None})
         reply = svc.register(body)
         creds.revoke_node(reply.node_id)  # one credential per node: an enrolment again ends the last one
         _, credential = creds.create_token("node", node_id=reply.node_id, label=body.name)

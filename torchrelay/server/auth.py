@@ -36,6 +36,10 @@ from torchrelay.errors import Conflict, InvalidSpec, NotFound, Unauthenticated
 from torchrelay.server.store import AuthKeyRow, TokenRow, UserRow
 from torchrelay.spec import JobState
 
+# the states in which a job's current attempt has workers that may call the server; a job
+# RESTARTING or requeued (QUEUED) keeps its attempt number until placed again, yet its workers
+# are being (or have been) stopped
+_ATTEMPT_LIVE = frozenset({JobState.SCHEDULED, JobState.RUNNING, JobState.CANCELLING})
 USER, ENROLL, NODE, WORKER = "user", "enroll", "node", "worker"
 PREFIX = {USER: "rlu_", ENROLL: "rle_", NODE: "rln_", WORKER: "rlw_"}
 ROLES = ("admin", "user", "scraper")  # scraper: /metrics only (Prometheus)
@@ -233,7 +237,7 @@ class Credentials:
                 job = rows.job(job_id)
             except NotFound:
                 raise Unauthenticated(f"the worker token's job {job_id} does not exist") from None
-            if job.attempt != attempt or JobState(job.state).terminal:
+            if job.attempt != attempt or JobState(job.state) not in _ATTEMPT_LIVE:
                 raise Unauthenticated(f"the worker token of {job_id} attempt {attempt} ended with its attempt")
         return Principal(WORKER, job_id, job_id=job_id, attempt=attempt)
 

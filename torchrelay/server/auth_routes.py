@@ -27,12 +27,12 @@ class NewUser(BaseModel):
 class NewToken(BaseModel):
     user: str | None = Field(default=None, description="whose (default: the caller; another's: admin only)")
     label: str = ""
-    expires_in_s: float | None = Field(default=None, gt=0)
+    expires_in_s: float | None = Field(default=None, gt=0, le=100 * 365 * 86400, allow_inf_nan=False)
 
 
 class NewEnrollToken(BaseModel):
     label: str = ""
-    expires_in_s: float | None = Field(default=None, gt=0)
+    expires_in_s: float | None = Field(default=None, gt=0, le=100 * 365 * 86400, allow_inf_nan=False)
 
 
 def auth_routes(creds: Credentials) -> APIRouter:

@@ -47,6 +47,9 @@ class UploadLimits:
     artifact: int = 10 * GiB
     log_batch: int = 32 * MiB
     metric_batch: int = 32 * MiB
+    # any other body (a job spec, a registration, a heartbeat): FastAPI reads a route's whole body
+    # before its dependencies run, so this bounds what a caller without a token can make it hold
+    request: int = 8 * MiB
 
 
 LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(UploadLimits))

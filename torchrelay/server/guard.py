@@ -9,9 +9,9 @@ Contract:
   ``request.state.principal``. Raises ``Unauthenticated`` (401: no credential, or one not
   accepted), ``Forbidden`` (403: a kind of credential the route does not take), ``NotFound``
   (404: a job of another user, answered exactly as a job that does not exist, so that ids
-  reveal nothing) and ``TooManyAttempts`` (429: the client's address sent too many bad
-  credentials within the limiter's window; its requests with a credential are refused unchecked
-  until the window frees it). Blocking reads run in the thread pool.
+  reveal nothing) and ``TooManyAttempts`` (429, instead of 401, for a bad credential from a
+  client address that sent too many within the limiter's window; a good credential from that
+  address still passes: the address may be a node's, shared by its agent and other users' jobs). Blocking reads run in the thread pool.
 - Job-scoped routes (a ``{job_id}`` parameter): a user must own the job (an admin any job); a
   worker's token must be of that job; a node must have run a launch of it.
 - ``/nodes/{node_id}/…``: only that node's credential. ``GET /bundles/{digest}``: a node a
@@ -146,14 +146,18 @@ async def _principal(guard: Guard, request: Request) -> Principal:
         raise Unauthenticated("a token is needed: `relay login` stores one (or set RELAY_TOKEN; HTTP: "
                               "Authorization: Bearer <token>)")
     addr = request.client.host if request.client else "?"
-    now = time.monotonic()
-    if guard.limiter.blocked(addr, now):
-        raise TooManyAttempts(f"too many bad tokens from {addr}: the limit is {guard.limiter.limit} bad tokens per "
-                              f"{guard.limiter.window_s:g} s; retry in {guard.limiter.retry_after(addr, now):.0f} s")
+    # a good credential always passes: a blocked address shares its host with agents and other
+    # users' workers, which one process sending bad tokens must not lock out
     try:
         return await run_in_threadpool(guard.credentials.principal_of, text)
     except Unauthenticated:
-        guard.limiter.failed(addr, time.monotonic())
+        now = time.monotonic()
+        over = guard.limiter.blocked(addr, now)  # past the limit before this one
+        guard.limiter.failed(addr, now)
+        if over:
+            raise TooManyAttempts(f"too many bad tokens from {addr}: the limit is {guard.limiter.limit} bad tokens "
+                                  f"per {guard.limiter.window_s:g} s; retry in "
+                                  f"{guard.limiter.retry_after(addr, now):.0f} s") from None
         raise
 
 

@@ -1,7 +1,7 @@
 """Request bodies the server takes and files it serves: size limits, streaming, never whole in memory.
 
 - ``UploadLimits`` (``torchrelay.server.config``, its ``limits`` section): the most bytes one
-  bundle, artifact, log batch and metric batch may have.
+  bundle, artifact, log batch and metric batch may have, and any other request body.
 - ``BodyLimits(app, limits)``: ASGI middleware. A body over its route's limit is answered
   ``413`` (``PayloadTooLarge``, naming the limit and the setting that raises it): at once when
   its ``Content-Length`` says so, else as soon as the bytes received pass it. The rest of an
@@ -42,12 +42,16 @@ _ROUTES = (("POST", re.compile(rf"^{API_PREFIX}/bundles/?$"), "bundle"),
            ("POST", re.compile(rf"^{API_PREFIX}/jobs/[^/]+/metrics/?$"), "metric_batch"))
 
 
+_WITH_BODY = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
 def limit_for(method: str, path: str) -> str | None:
-    """The ``UploadLimits`` field that bounds a ``method`` request to ``path``; None: no limit here."""
+    """The ``UploadLimits`` field that bounds a ``method`` request to ``path``: the route's own,
+    else ``request`` for any method that may carry a body; None: a GET, HEAD or OPTIONS."""
     for want, pattern, name in _ROUTES:
         if method == want and pattern.match(path):
             return name
-    return None
+    return "request" if method in _WITH_BODY else None
 
 
 def too_large_message(name: str, limit: int, size: int | None) -> str:

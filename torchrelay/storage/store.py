@@ -72,6 +72,16 @@ class ArtifactStore:
         """Path of ``key`` as the file system of this store names it."""
         return posixpath.join(self.root, key) if self.root else key
 
+    def _read_path(self, key: str) -> str:
+        """``full_path(key)`` for a read. In a local store, a key reached through a symbolic link
+        is refused (``NotFound``): a job's code writes into its own folder of a shared local store,
+        and a link it planted there must not make the server serve a file outside that folder."""
+        path = self.full_path(key)
+        if self._local and os.path.realpath(path) != os.path.join(os.path.realpath(self.root), key):
+            raise NotFound(f"no artifact at {self.url_of(key)} (it is reached through a symbolic link, "
+                           "which the store does not follow)")
+        return path
+
     def url_of(self, key: str) -> str:
         """fsspec URL of ``key`` (what a worker on another host can open)."""
         return f"{self.url}/{key}"
@@ -98,7 +108,7 @@ class ArtifactStore:
 
     def get_bytes(self, key: str) -> bytes:
         with self._failures("read", key):
-            return self.fs.cat_file(self.full_path(key))
+            return self.fs.cat_file(self._read_path(key))
 
     @contextlib.contextmanager
     def open_write(self, key: str) -> Iterator[IO[bytes]]:
@@ -114,14 +124,14 @@ class ArtifactStore:
     @contextlib.contextmanager
     def open_read(self, key: str) -> Iterator[IO[bytes]]:
         """``key`` as a binary file to read. Raises ``NotFound``, ``StorageError`` (also while reading)."""
-        with self._failures("read", key), self.fs.open(self.full_path(key), "rb") as fh:
+        with self._failures("read", key), self.fs.open(self._read_path(key), "rb") as fh:
             yield fh
 
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
         """Copy ``key`` to the local file ``local_path``, which appears whole or not at all."""
         tmp = temp_name(os.fspath(local_path))
         try:
-            with self._failures("read", key), self.fs.open(self.full_path(key), "rb") as source, \
+            with self._failures("read", key), self.fs.open(self._read_path(key), "rb") as source, \
                     open(tmp, "wb") as out:
                 shutil.copyfileobj(source, out, length=8 << 20)
             os.replace(tmp, local_path)
@@ -135,7 +145,7 @@ class ArtifactStore:
 
     def size(self, key: str) -> int:
         with self._failures("look up", key):
-            return int(self.fs.size(self.full_path(key)))
+            return int(self.fs.size(self._read_path(key)))
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key relative to ``prefix``, size) of every file below ``prefix``, sorted; skips temp files."""

@@ -46,6 +46,7 @@ def agent(address: str = typer.Option(..., "--address", envvar="RELAY_ADDRESS",
     from torchrelay.home import relay_home
     from torchrelay.spec import parse_memory
 
+    os.environ.pop("RELAY_ENROLL_TOKEN", None)  # read (typer's envvar); not for the workers' environment
     if ca:  # the link to the server and build_worker_env read it from the environment (torchrelay.tls)
         os.environ["RELAY_CA"] = os.path.abspath(ca)
     labels = key_values(label, "--label")

@@ -25,6 +25,6 @@ def queue(output: Output = OutputOpt) -> None:
     for r in rows:
         est = r.get("estimated_start")
         shown = "-" if est is None else ("now" if est <= time.time() else "in " + duration(est - time.time()))
-        table.add_row(str(r["position"]), r["id"], r["name"], r.get("user") or "", str(r["priority"]),
+        table.add_row(str(r["position"]), r["id"] or "(hidden)", r["name"] or "", r.get("user") or "", str(r["priority"]),
                       str(r["workers"]), ago(r["submitted_at"]), shown, r["reason"])
     console.print(table)
