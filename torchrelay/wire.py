@@ -201,8 +201,9 @@ class ArtifactInfo(_Model):
 
 class NodeRegistration(_Model):
     name: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x1f\x7f]+$")
-    address: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x20\x7f/]+$",
-                         description="host other nodes reach this node's workers at")
+    address: str = Field(max_length=253, pattern=r"^[^\x00-\x20\x7f/]*$",
+                         description="host other nodes reach this node's workers at (empty: an executor's "
+                         "own node, e.g. a Slurm partition)")
     cpus: float = Field(ge=0, le=1 << 20)
     gpus: int = Field(default=0, ge=0, le=1 << 16)
     gpu_type: str | None = Field(default=None, max_length=200)
