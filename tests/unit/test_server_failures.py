@@ -42,6 +42,10 @@ LOST = dict(infra=True, message="node node0 lost (no heartbeat for 3 s)")
     ([failed(0, [{"rank": 1, "signal": 15}, {"rank": 0, "signal": 15}]),
       failed(1, [{"rank": 3, "exit_code": 3}, {"rank": 2, "signal": 15}], stopped=True)],
      "rank 3 exited with code 3", 3, "node1"),
+    # ...and when node 0's mpirun reported one rank torn down and one with no exit record at all
+    ([failed(0, [{"rank": 0, "signal": 15}, {"rank": 1}]),
+      failed(1, [{"rank": 3, "exit_code": 3}, {"rank": 2, "signal": 15}], stopped=True)],
+     "rank 3 exited with code 3", 3, "node1"),
     # a fault (SIGSEGV) is a failure of its own, not a teardown
     ([failed(0, [{"rank": 0, "signal": 15}]), failed(1, [{"rank": 2, "signal": 11}])],
      "rank 2 was killed by SIGSEGV", 2, "node1"),

@@ -62,9 +62,9 @@ def outside_the_job(failed: Sequence[LaunchView]) -> bool:
 
 def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
     """The failing rank that explains the attempt: one that ended by itself (an exit code or a
-    fault) rather than torn down by SIGTERM/SIGINT/SIGHUP, in a launch the server did not stop,
-    first to die in its launch, on the lowest node; else the first one that did not return.
-    ``failed`` is not empty."""
+    fault) rather than torn down by SIGTERM/SIGINT/SIGHUP or gone without an exit record, in a
+    launch the server did not stop, first to die in its launch, on the lowest node; else the
+    first one that did not return. ``failed`` is not empty."""
     # The agent lists a launch's failed ranks earliest death first, so a launch's first
     # failed rank is its root cause and the ones after it were torn down because of it.
     # A launch the server stopped (because a peer failed) only explains the attempt when
@@ -75,8 +75,10 @@ def blame(failed: Sequence[LaunchView], attempt: int) -> FailureInfo:
     for launch in failed:
         failed_ranks = [r for r in (RankExit.model_validate(d) for d in launch.ranks) if not r.returned]
         for position, rank in enumerate(failed_ranks):
-            torn_down = rank.signal in _TEARDOWN_SIGNALS and not rank.reason
-            candidates.append(((torn_down, launch.stopped, position > 0, launch.node_rank), launch, rank))
+            # torn down by a launcher, or no exit record at all (killed with its supervisor): says little
+            vague = (rank.signal in _TEARDOWN_SIGNALS and not rank.reason) or \
+                (rank.exit_code is None and rank.signal is None)
+            candidates.append(((vague, launch.stopped, position > 0, launch.node_rank), launch, rank))
     lost = next((x for x in failed if x.infra), None)
     if lost is not None and all(launch.stopped for _, launch, _ in candidates):
         candidates = []  # the peers were stopped because a node was lost: the loss explains it
