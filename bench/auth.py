@@ -1,9 +1,12 @@
 """What the trust boundary costs: submissions per second and heartbeat round trips per second,
 side by side in one run: plain HTTP vs HTTPS (TLS), and requests without vs with a token.
 
-Three real servers on 127.0.0.1 (``start_cluster`` with no agents, so every job stays queued and
-only acceptance is timed), one per variant so that each holds as many queued jobs as the others:
-plain; with a certificate from a CA made here (trustme); plain with ``AUTH_SERVER_ARGS``. The
+Three real servers on 127.0.0.1 with no agents (every job stays queued and only acceptance is
+timed), one per variant so that each holds as many queued jobs as the others: "open", the same
+server with its guard taken out (``bench/_open_server.py``: torchrelay has no switch that turns
+authentication off) and plain HTTP; "token", as shipped (the admin's token submits, the node's own
+credential heartbeats) over plain HTTP; "token+tls", as shipped with a certificate from a CA made
+here (trustme). The
 variants are measured in turns, ``--rounds`` times after one round not counted (warm-up), and each figure is the median of its turns, so
 load that comes and goes on a shared machine falls on every variant alike.
 
@@ -13,13 +16,11 @@ load that comes and goes on a shared machine falls on every variant alike.
 - heartbeats: ``--heartbeats`` round trips (``wait_s`` 0, nothing to report) of one registered
   node over one keep-alive connection, one after the other: the latency an agent sees.
 
-A variant is one function parameter: the headers every request carries. ``--token TOKEN`` sends
-``Authorization: Bearer TOKEN`` in the "token" variant; without it the variant sends a stub header
-that no server checks yet (its ratio then measures only the header's bytes). Connections are
-opened, and TLS handshakes made, before the clock starts: agents and clients keep theirs open.
+Connections are opened, and TLS handshakes made, before the clock starts: agents and clients keep
+theirs open (a token is checked on every request; a check in the last 5 s is remembered).
 
 Prints rows, then ``RESULT {"submit_auth_ratio", "heartbeat_auth_ratio", "submit_tls_ratio", ...}``
-(auth: with token / without; tls: TLS / plain; goals >= 0.9, 0.9, 0.8).
+(auth: token / open; tls: token+tls / open, both checks on against both off; goals >= 0.9, 0.9, 0.8).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import json
 import os
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,12 +43,12 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchrelay.client.cluster import ServerTls, start_cluster  # noqa: E402
+from torchrelay.home import admin_token_file, read_json, server_file  # noqa: E402
 from torchrelay.spec import JobSpec  # noqa: E402
 from _env import SERVER_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 
 SPEC = {"name": "noop", "entrypoint": "python -c pass", "workers": 1, "resources": {"cpu": 0.5}}
-STUB_TOKEN = "stub-unchecked"
-AUTH_SERVER_ARGS: tuple[str, ...] = ()  # the `relay server` flags that make it check tokens (none yet)
+OPEN_SERVER = Path(__file__).resolve().parent / "_open_server.py"
 
 
 @dataclass
@@ -84,7 +86,7 @@ def cpu_seconds(pid: int) -> float:
 def timed_submits(target: Target, headers: dict[str, str], count: int, threads: int) -> dict:
     """``count`` submissions from ``threads`` connections: per second, and server CPU ms per submission."""
     body = json.dumps({"spec": JobSpec.parse(SPEC).to_public(), "bundle": None}).encode()
-    sent = {"content-type": "application/json", "x-relay-user": "bench", **headers}
+    sent = {"content-type": "application/json", **headers}
     conns = [target.connect() for _ in range(threads)]
     for conn in conns:
         call(conn, "POST", "/jobs", body, sent, 201)  # connect (and handshake) outside the timing
@@ -126,14 +128,45 @@ def timed_heartbeats(target: Target, headers: dict[str, str], count: int, node_i
     return {"per_s": count / elapsed, "server_ms": server_s / count * 1e3, "rtt_ms": elapsed / count * 1e3}
 
 
-def register(target: Target, headers: dict[str, str]) -> str:
-    """A node that heartbeats (nothing will be placed on it: 0.001 cpus)."""
+def register(target: Target, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """A node that heartbeats (nothing will be placed on it: 0.001 cpus): its id, and the headers
+    its heartbeats carry (its own credential, as an agent's do)."""
     conn = target.connect()
     body = json.dumps({"name": f"bench-{target.name}", "address": "127.0.0.1", "cpus": 0.001, "memory": 1 << 20})
-    node_id = json.loads(call(conn, "POST", "/nodes/register", body.encode(),
-                              {"content-type": "application/json", **headers}, 200))["node_id"]
+    reply = json.loads(call(conn, "POST", "/nodes/register", body.encode(),
+                            {"content-type": "application/json", **headers}, 200))
     conn.close()
-    return node_id
+    own = {"authorization": f"Bearer {reply['credential']}"} if headers and reply.get("credential") else {}
+    return reply["node_id"], own
+
+
+class OpenServer:
+    """``relay server`` without its guard (``bench/_open_server.py``), in its own process group."""
+
+    def __init__(self, home: Path):
+        home.mkdir(parents=True)
+        env = {**os.environ, "RELAY_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+        env.pop("RELAY_ADDRESS", None)
+        self.log = open(home / "server.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, str(OPEN_SERVER), "server", "--port", "0"], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not ((info := read_json(server_file(home))) and info.get("pid") == self.proc.pid):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                sys.exit(f"the open server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        self.address, self.pids = info["address"], [self.proc.pid]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.log.close()
 
 
 def make_pki(folder: Path) -> ServerTls:
@@ -174,31 +207,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16, help="keep-alive connections submitting")
     parser.add_argument("--heartbeats", type=int, default=600, help="heartbeat round trips per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--token", default=None, help="the bearer token of the token variant (default: a stub "
-                        "header no server checks yet)")
     args = parser.parse_args()
     versions = package_versions(SERVER_PACKAGES)
     print(header_line(versions))
-    token = {"authorization": f"Bearer {args.token or STUB_TOKEN}"}
     with tempfile.TemporaryDirectory(prefix="relay-bench-auth-") as tmp:
         tls = make_pki(Path(tmp))
-        clusters = []
+        servers: list = []
         try:
             # one server per variant, so each holds as many queued jobs as the others at every turn
             variants = {}
-            for name, server_tls, server_args, headers in (("plain", None, (), {}), ("tls", tls, (), {}),
-                                                            ("plain+token", None, AUTH_SERVER_ARGS, token)):
-                cluster = start_cluster(agents=0, home=Path(tmp) / name, tls=server_tls, server_args=server_args)
-                clusters.append(cluster)
+            for name, server_tls in (("open", None), ("token", None), ("token+tls", tls)):
+                home = Path(tmp) / name
+                server = OpenServer(home) if name == "open" else start_cluster(agents=0, home=home, tls=server_tls)
+                servers.append(server)
+                headers = {} if name == "open" else {
+                    "authorization": f"Bearer {admin_token_file(home).read_text().strip()}"}
                 context = ssl.create_default_context(cafile=str(tls.ca)) if server_tls else None
-                variants[name] = (Target(name, cluster.address, cluster.pids[0], context), headers)
+                variants[name] = (Target(name, server.address, server.pids[0], context), headers)
             submits = measure(variants, args.rounds, lambda t, h: timed_submits(t, h, args.submits, args.threads))
             nodes = {target.name: register(target, headers) for target, headers in variants.values()}
-            beats = measure(variants, args.rounds,
-                            lambda t, h: timed_heartbeats(t, h, args.heartbeats, nodes[t.name]))
+            beat_variants = {name: (target, nodes[name][1]) for name, (target, _) in variants.items()}
+            beats = measure(beat_variants, args.rounds,
+                            lambda t, h: timed_heartbeats(t, h, args.heartbeats, nodes[t.name][0]))
         finally:
-            for cluster in clusters:
-                cluster.stop()
+            for server in servers:
+                server.stop()
     for name in variants:
         turns = " / ".join(", ".join(f"{row['per_s']:.0f}" for row in rows[name]) for rows in (submits, beats))
         print(f"{name:12s} submits {median_of(submits[name], 'per_s'):8.0f}/s (server CPU "
@@ -209,17 +242,17 @@ def main() -> None:
     def ratio(rows: dict[str, list[dict]], over: str, under: str) -> float:
         return round(median_of(rows[over], "per_s") / median_of(rows[under], "per_s"), 3)
 
-    result = {"submit_auth_ratio": ratio(submits, "plain+token", "plain"),
-              "heartbeat_auth_ratio": ratio(beats, "plain+token", "plain"),
-              "submit_tls_ratio": ratio(submits, "tls", "plain"),
-              "heartbeat_tls_ratio": ratio(beats, "tls", "plain"),
+    result = {"submit_auth_ratio": ratio(submits, "token", "open"),
+              "heartbeat_auth_ratio": ratio(beats, "token", "open"),
+              "submit_tls_ratio": ratio(submits, "token+tls", "open"),
+              "heartbeat_tls_ratio": ratio(beats, "token+tls", "open"),
+              "submit_tls_only_ratio": ratio(submits, "token+tls", "token"),
               "submits_per_s": {name: round(median_of(rows, "per_s"), 1) for name, rows in submits.items()},
               "heartbeats_per_s": {name: round(median_of(rows, "per_s"), 1) for name, rows in beats.items()},
-              "token": "given" if args.token else "stub (no server checks it yet)",
               "load_avg": round(os.getloadavg()[0], 2)}
-    print(f"ratios: submit TLS/plain {result['submit_tls_ratio']} (goal >= 0.8), heartbeat TLS/plain "
-          f"{result['heartbeat_tls_ratio']}; token/none: submit {result['submit_auth_ratio']} (goal >= 0.9), "
-          f"heartbeat {result['heartbeat_auth_ratio']} (goal >= 0.9); token: {result['token']}; "
+    print(f"ratios: token/open: submit {result['submit_auth_ratio']} (goal >= 0.9), heartbeat "
+          f"{result['heartbeat_auth_ratio']} (goal >= 0.9); token+tls/open: submit {result['submit_tls_ratio']} "
+          f"(goal >= 0.8), heartbeat {result['heartbeat_tls_ratio']}; "
           f"load average {result['load_avg']} on {os.cpu_count()} cores")
     print(result_line(result, versions))
 
