@@ -191,8 +191,8 @@ def part_b(submits: int, noop_jobs: int, threads: int = 32, timeout_s: float = 3
                 ids = [client.submit(spec, upload=False).id for _ in range(noop_jobs)]
                 wanted = set(ids)
                 while True:  # only finished jobs are listed: the poll stays cheap for the server
-                    finished = [j for j in client.jobs(state="SUCCEEDED,FAILED,CANCELLED", limit=10000)
-                                if j.id in wanted]
+                    done = client.jobs(state="SUCCEEDED,FAILED,CANCELLED", limit=10000, all_users=True)
+                    finished = [j for j in done if j.id in wanted]  # the admin's token submitted for "bench"
                     if len(finished) == len(ids) or time.perf_counter() - started > timeout_s:
                         break
                     time.sleep(0.1)

@@ -185,15 +185,25 @@ class Credentials:
 
     # ------------------------------------------------------------ checks
 
+    def cached_principal(self, text: str) -> Principal | None:
+        """Who ``text`` is when a check in the last ``CACHE_S`` said so, else None (look it up with
+        ``principal_of``). No I/O: a request's event loop may call it."""
+        if text.startswith(PREFIX[WORKER]):
+            return None  # never cached: its attempt may end at any moment
+        with self._cache_lock:
+            hit = self._cache.get(digest_of(text))
+        if hit is not None and time.monotonic() - hit[2] < CACHE_S and (hit[1] is None or hit[1] > self.clock()):
+            return hit[0]
+        return None
+
     def principal_of(self, text: str) -> Principal:
         """Who ``text`` is. Raises Unauthenticated (see the module docstring)."""
         if text.startswith(PREFIX[WORKER]):
             return self._worker(text)
+        cached = self.cached_principal(text)
+        if cached is not None:
+            return cached
         digest = digest_of(text)
-        with self._cache_lock:
-            hit = self._cache.get(digest)
-        if hit is not None and time.monotonic() - hit[2] < CACHE_S and (hit[1] is None or hit[1] > self.clock()):
-            return hit[0]
         who, expires_at = self._look_up(digest)
         with self._cache_lock:
             if len(self._cache) > 10000:

@@ -148,6 +148,9 @@ async def _principal(guard: Guard, request: Request) -> Principal:
     addr = request.client.host if request.client else "?"
     # a good credential always passes: a blocked address shares its host with agents and other
     # users' workers, which one process sending bad tokens must not lock out
+    cached = guard.credentials.cached_principal(text)  # on the loop: a thread hop costs more than the check
+    if cached is not None:
+        return cached
     try:
         return await run_in_threadpool(guard.credentials.principal_of, text)
     except Unauthenticated:
