@@ -106,6 +106,27 @@ class Guard:
         self.credentials = credentials
         self.db = db
         self.limiter = limiter or FailureLimiter()
+        # facts that never change once true, so a request need not read them again: a job's owner,
+        # and that a launch of a job was placed on a node (agents post for their jobs many times)
+        self.owners: dict[str, str] = {}
+        self.placed: set[tuple[str, str]] = set()
+
+    def known_allowed(self, who: Principal, job_id: str) -> bool:
+        """Whether what was read before already allows ``who`` on ``job_id`` (no I/O)."""
+        if who.kind == USER:
+            return who.admin and job_id in self.owners or self.owners.get(job_id) == who.name
+        if who.kind == WORKER:
+            return who.job_id == job_id
+        return who.kind == NODE and (job_id, who.node_id) in self.placed
+
+    def remember(self, job_id: str, owner: str, node_id: str | None = None) -> None:
+        if len(self.owners) > 100_000:
+            self.owners.clear()
+        if len(self.placed) > 100_000:
+            self.placed.clear()
+        self.owners[job_id] = owner
+        if node_id is not None:
+            self.placed.add((job_id, node_id))
 
 
 def rule_of(method: str, path: str) -> Rule:
@@ -132,7 +153,7 @@ async def authorize(request: Request) -> None:
     request.state.principal = principal
     _check_kind(rule, principal, method, route.path if route is not None else request.url.path)
     params = request.path_params
-    if "job_id" in params:
+    if "job_id" in params and not guard.known_allowed(principal, params["job_id"]):
         await run_in_threadpool(_check_job, guard, principal, params["job_id"])
     if "node_id" in params and principal.node_id != params["node_id"]:
         raise Forbidden(f"this node's credential is for node {principal.node_id}, not {params['node_id']}")
@@ -191,6 +212,7 @@ def _check_job(guard: Guard, who: Principal, job_id: str) -> None:
                                                                 LaunchRow.node_id == who.node_id).limit(1)).first()
             if placed is None:
                 raise Forbidden(f"no launch of {job_id} was placed on node {who.node_id}")
+        guard.remember(job.id, job.user, who.node_id if who.kind == NODE else None)
 
 
 def _check_bundle(guard: Guard, who: Principal, digest: str) -> None:
