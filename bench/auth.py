@@ -16,7 +16,8 @@ load that comes and goes on a shared machine falls on every variant alike.
 - heartbeats: ``--heartbeats`` round trips (``wait_s`` 0, nothing to report) of one registered
   node over one keep-alive connection, one after the other: the latency an agent sees.
 
-Connections are opened, and TLS handshakes made, before the clock starts: agents and clients keep
+While one server is measured the others are paused (SIGSTOP), so their schedulers' cycles over
+their queues do not take its cores. Connections are opened, and TLS handshakes made, before the clock starts: agents and clients keep
 theirs open (a token is checked on every request; a check in the last 5 s is remembered).
 
 Prints rows, then ``RESULT {"submit_auth_ratio", "heartbeat_auth_ratio", "submit_tls_ratio", ...}``
@@ -28,6 +29,7 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import ssl
 import statistics
 import subprocess
@@ -191,13 +193,22 @@ def median_of(rows: list[dict], key: str) -> float:
 def measure(variants: dict[str, tuple[Target, dict[str, str]]], rounds: int,
             run: Callable[[Target, dict[str, str]], dict]) -> dict[str, list[dict]]:
     """Each variant once per round, in turns, after a round that warms every server and
-    connection path up and is not counted; the rows of each."""
+    connection path up and is not counted; the rows of each. The servers not being measured are
+    paused (SIGSTOP): each holds thousands of queued jobs, and its scheduler's cycles over them
+    would otherwise take the measured server's cores at random."""
     rows: dict[str, list[dict]] = {name: [] for name in variants}
-    for turn in range(rounds + 1):
-        for name, (target, headers) in variants.items():
-            row = run(target, headers)
-            if turn:
-                rows[name].append(row)
+    pids = {name: target.pid for name, (target, _) in variants.items()}
+    try:
+        for turn in range(rounds + 1):
+            for name, (target, headers) in variants.items():
+                for other, pid in pids.items():
+                    os.kill(pid, signal.SIGCONT if other == name else signal.SIGSTOP)
+                row = run(target, headers)
+                if turn:
+                    rows[name].append(row)
+    finally:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
     return rows
 
 
