@@ -432,3 +432,16 @@ def test_a_body_past_the_request_limit_is_refused_before_anything_reads_it(world
     reply = httpx.post(f"{world.address}{API}/jobs", content=big, timeout=60,
                        headers={"content-type": "application/json"})
     assert reply.status_code == 413 and "limits.request" in reply.json()["detail"]
+
+
+def test_a_node_posts_logs_and_metrics_only_under_its_own_launch_of_that_job(world):
+    launches = {x["job_id"]: x["launch_id"] for x in _beat(world.address, world.node, world.node_id)["launches"]}
+    own, other = launches[world.job_a], launches[world.job_b]
+    node = {"authorization": f"Bearer {world.node}"}
+    for kind, record in (("logs", {"rank": 0, "stream": "stdout", "seq": 10_000, "text": "x"}),
+                         ("metrics", {"rank": 0, "seq": 10_000, "time": 1.0, "step": 1, "values": {"loss": 1.0}})):
+        url = f"{world.address}{API}/jobs/{world.job_a}/{kind}"
+        posted = httpx.post(url, headers=node, timeout=10, json={"launch_id": own, "records": [record]})
+        assert posted.status_code == 200, posted.text
+        forged = httpx.post(url, headers=node, timeout=10, json={"launch_id": other, "records": [record]})
+        assert forged.status_code == 403 and other in forged.json()["detail"], forged.text

@@ -334,11 +334,15 @@ def _agent_routes(svc: ClusterService) -> APIRouter:
         return reply
 
     @api.post("/jobs/{job_id}/logs")
-    def post_logs(job_id: str, body: LogBatch) -> dict[str, Any]:
+    def post_logs(job_id: str, body: LogBatch, request: Request) -> dict[str, Any]:
+        """A node's batch of its own launch's log lines (``guard.check_launch``)."""
+        guard.check_launch(request.app.state.guard, guard.principal(request), job_id, body.launch_id)
         return {"ok": True, "added": svc.ingest_logs(job_id, body)}
 
     @api.post("/jobs/{job_id}/metrics")
-    def post_metrics(job_id: str, body: MetricBatch) -> dict[str, Any]:
+    def post_metrics(job_id: str, body: MetricBatch, request: Request) -> dict[str, Any]:
+        """A node's (or its worker's) batch of its own launch's metric points (``guard.check_launch``)."""
+        guard.check_launch(request.app.state.guard, guard.principal(request), job_id, body.launch_id)
         return {"ok": True, "added": svc.ingest_metrics(job_id, body)}
 
     return api

@@ -110,6 +110,7 @@ class Guard:
         # and that a launch of a job was placed on a node (agents post for their jobs many times)
         self.owners: dict[str, str] = {}
         self.placed: set[tuple[str, str]] = set()
+        self.launches: dict[str, tuple[str, int, str]] = {}  # launch id -> (job id, attempt, node id)
 
     def known_allowed(self, who: Principal, job_id: str) -> bool:
         """Whether what was read before already allows ``who`` on ``job_id`` (no I/O)."""
@@ -213,6 +214,30 @@ def _check_job(guard: Guard, who: Principal, job_id: str) -> None:
             if placed is None:
                 raise Forbidden(f"no launch of {job_id} was placed on node {who.node_id}")
         guard.remember(job.id, job.user, who.node_id if who.kind == NODE else None)
+
+
+def check_launch(guard: Guard, who: Principal, job_id: str, launch_id: str) -> None:
+    """For a batch of logs or metrics a node or worker posts: ``launch_id`` is a launch of
+    ``job_id`` on that node (a worker: of its own attempt). Blocks on one read the first time.
+    Raises Forbidden naming the launch."""
+    if who.kind not in (NODE, WORKER):
+        return  # an admin's
+    known = guard.launches.get(launch_id)
+    if known is None:
+        with guard.db.read() as rows:
+            row = rows.s.get(LaunchRow, launch_id)
+            job = rows.job(job_id) if row is not None else None
+            if row is None or job is None or row.job_seq != job.seq:
+                raise Forbidden(f"launch {launch_id!r} is not a launch of {job_id}")
+            known = (job.id, row.attempt, row.node_id)
+        if len(guard.launches) > 100_000:
+            guard.launches.clear()
+        guard.launches[launch_id] = known
+    _, attempt, node_id = known
+    if who.kind == NODE and node_id != who.node_id:
+        raise Forbidden(f"launch {launch_id} runs on node {node_id}, not on node {who.node_id}")
+    if who.kind == WORKER and attempt != who.attempt:
+        raise Forbidden(f"launch {launch_id} is of attempt {attempt}; this worker token is of attempt {who.attempt}")
 
 
 def _check_bundle(guard: Guard, who: Principal, digest: str) -> None:
