@@ -7,7 +7,8 @@
     bridge) and the shard on a test host, over raw TCP sendall/recv_into of the same bytes there
     and back over the same veth, rounds alternated (bench/ps.py's children, on the host).
 (c) pg_submits_per_s: submits per second to a server on PostgreSQL (a private cluster, as the
-    tests start it) and, beside it, on SQLite; 64 concurrent clients.
+    tests start it) and, beside it, on SQLite; 64 concurrent keep-alive clients with the admin's
+    token (bench/scheduler.py's lean client), and the server's CPU per submit.
 (d) failover_s, failover_steps_lost: two servers on one PostgreSQL and an agent running a job
     that reports a step every 50 ms; the leader killed (-9): seconds from the kill to the first
     heartbeat the new leader accepted (the node's last_seen), and steps missing or repeated in
@@ -21,7 +22,6 @@ Last line: ``RESULT {"ddp_2host_step_ratio", "ps_veth_vs_tcp", "pg_submits_per_s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
@@ -126,10 +126,17 @@ def ps_over_veth(repeats: int) -> dict:
 
 
 def submits_per_s(pg, n: int) -> dict:
-    import httpx
-
+    """Submits/s to one server on PostgreSQL, then one on SQLite: 64 threads, each with a
+    keep-alive connection and the admin's token, the request body serialised once (the lean
+    client of bench/scheduler.py: an httpx client costs several times the server's CPU per
+    request, and client and server share this machine's cores). Also the server's CPU per submit."""
+    from scheduler import _LeanSubmitter, _timed_submits
     from test_store_durability import Server
 
+    from torchrelay.spec import JobSpec
+
+    body = json.dumps({"spec": JobSpec.parse({"name": "s", "entrypoint": "python -c pass"}).to_public(),
+                       "bundle": None}).encode()
     out = {}
     for kind in ("postgresql", "sqlite"):
         with tempfile.TemporaryDirectory() as home:
@@ -140,20 +147,10 @@ def submits_per_s(pg, n: int) -> dict:
             server = Server(Path(home), url)
             try:
                 address = server.start()
-
-                async def run() -> float:
-                    sem = asyncio.Semaphore(64)
-                    async with httpx.AsyncClient(base_url=f"{address}/api/v1", timeout=60) as http:
-                        async def one(i: int) -> None:
-                            async with sem:
-                                r = await http.post("/jobs", json={"spec": {"name": f"s{i}", "entrypoint": "python -c pass"}})
-                                assert r.status_code == 201, r.text
-                        await asyncio.gather(*(one(i) for i in range(64)))  # warm up
-                        t0 = time.perf_counter()
-                        await asyncio.gather(*(one(i) for i in range(n)))
-                        return n / (time.perf_counter() - t0)
-
-                out[kind] = asyncio.run(run())
+                timed = _timed_submits(types.SimpleNamespace(pids=[server.proc.pid]),
+                                       lambda: _LeanSubmitter(address, body), n, 64)
+                out[kind] = timed["per_s"]
+                out[f"{kind}_server_ms"] = timed["server_ms"]
             finally:
                 server.stop()
     return out
@@ -239,7 +236,8 @@ def main() -> None:
     try:
         subs = submits_per_s(pg, args.submits)
         print(f"(c) submits/s: PostgreSQL {subs['postgresql']:.0f}, SQLite {subs['sqlite']:.0f}, ratio "
-              f"{subs['postgresql'] / subs['sqlite']:.2f} (goal: PostgreSQL >= 1000/s)", flush=True)
+              f"{subs['postgresql'] / subs['sqlite']:.2f} (goal: PostgreSQL >= 1000/s); server CPU per submit "
+              f"{subs['postgresql_server_ms']:.3f} / {subs['sqlite_server_ms']:.3f} ms", flush=True)
         fo = failover(pg)
         print(f"(d) failover: leader killed -> first heartbeat at the new leader {fo['failover_s']:.2f} s (goal <= 10), "
               f"steps lost {fo['steps_lost']} (goal 0), job {fo['state']}", flush=True)

@@ -32,7 +32,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -41,6 +40,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from services.ports import free_ports
+
 __all__ = ["CephCluster"]
 
 PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-mds", "ceph-fuse")
@@ -48,13 +49,6 @@ TOOLS = ("ceph", "ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph-autht
 CONNECT_TIMEOUT_S = 20
 START_TIMEOUT_S = 90
 STOP_GRACE_S = 10
-
-
-def _free_port() -> int:
-    # Ceph takes port numbers, not 0: ask the OS for a free one just before the start
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _missing_tools() -> list[str]:
@@ -160,7 +154,7 @@ class CephCluster:
     # ------------------------------------------------------------ start
 
     def _start(self) -> None:
-        self.mon_port, self.rgw_port = _free_port(), _free_port()
+        self.mon_port, self.rgw_port = free_ports(2)
         self.endpoint_url = f"http://127.0.0.1:{self.rgw_port}"
         for sub in ("mon/ceph-a", "osd/ceph-0", "rgw", "run", "log"):
             (self.root / sub).mkdir(parents=True)

@@ -17,10 +17,11 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from services.ports import free_port
 
 __all__ = ["PostgresServer"]
 
@@ -28,13 +29,6 @@ __all__ = ["PostgresServer"]
 def _bin_dir() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     return Path(found[-1]).parent if found else None
-
-
-def _free_port() -> int:
-    # PostgreSQL takes a port number, not 0: ask the OS for a free one just before the start
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PostgresServer:
@@ -76,7 +70,7 @@ class PostgresServer:
             user = pwd.getpwnam("postgres")
             os.chown(self.root, user.pw_uid, user.pw_gid)
             self._as_user = ["runuser", "-u", "postgres", "--"]
-        self.port = _free_port()
+        self.port = free_port()
         try:
             self._start(database)
         except BaseException:

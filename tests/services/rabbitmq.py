@@ -17,10 +17,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from services.ports import free_ports
 
 __all__ = ["RabbitMQ"]
 
@@ -30,12 +31,6 @@ def _server_binary() -> str:
     the ``rabbitmq`` user, which cannot enter a test's own folder."""
     direct = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
     return str(direct) if direct.exists() else "rabbitmq-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RabbitMQ:
@@ -54,9 +49,7 @@ class RabbitMQ:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
-        self.dist_port = _free_port()
-        self.epmd_port = _free_port()
+        self.port, self.dist_port, self.epmd_port = free_ports(3)
         self.node = f"relay-{secrets.token_hex(4)}@localhost"
         (self.root / "rabbitmq.conf").write_text(
             f"listeners.tcp.1 = 127.0.0.1:{self.port}\nloopback_users = none\n"

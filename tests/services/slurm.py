@@ -23,23 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.ports import free_ports
+
 __all__ = ["SlurmCluster"]
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 64  # declared, not real (config_overrides): room for many small jobs at once
-
-
-def _free_ports(count: int) -> list[int]:
-    # Slurm takes port numbers, not 0: hold the sockets together so the ports differ
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 class SlurmCluster:
@@ -85,7 +75,7 @@ class SlurmCluster:
     # ------------------------------------------------------------ configuration
 
     def _write_config(self) -> None:
-        ctl_port, *node_ports = _free_ports(1 + len(self.nodes))
+        ctl_port, *node_ports = free_ports(1 + len(self.nodes))
         self.ctl_port = ctl_port
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(mode=0o700)
