@@ -40,7 +40,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from services.ports import free_ports
+from .ports import free_ports
 
 __all__ = ["CephCluster"]
 

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from services.ports import free_port
+from .ports import free_port
 
 __all__ = ["PostgresServer"]
 

@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.ports import free_ports
+from .ports import free_ports
 
 __all__ = ["RabbitMQ"]
 

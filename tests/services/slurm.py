@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.ports import free_ports
+from .ports import free_ports
 
 __all__ = ["SlurmCluster"]
 
