@@ -178,11 +178,12 @@ def failover(pg) -> dict:
             while httpx.get(f"{first}/api/v1/health").headers.get("x-relay-role") != "leader":
                 time.sleep(0.1)
             second = servers[1].start()
+            token = (root_path / "a" / "admin.token").read_text().strip()  # the first start's admin
             agent = subprocess.Popen([sys.executable, "-m", "torchrelay.client.cli.main", "agent", "--address",
                                       f"{first},{second}", "--name", "a0", "--cpus", "1", "--work-dir",
-                                      str(root_path / "a0")], env={**os.environ, "RELAY_HOME": root},
+                                      str(root_path / "a0")], env={**os.environ, "RELAY_HOME": root, "RELAY_ENROLL_TOKEN": token},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            with RelayClient(f"{first},{second}") as c:
+            with RelayClient(f"{first},{second}", token=token) as c:
                 c.wait_for_nodes(1, timeout=60)
                 job = c.submit(JobSpec.parse({"name": "fo", "entrypoint": f"python ticker.py {steps}"}),
                                base_dir=BENCH / "jobs")
@@ -192,7 +193,7 @@ def failover(pg) -> dict:
                 servers[0].kill()
                 while True:
                     try:
-                        seen = [n.last_seen for n in RelayClient(second).nodes()]
+                        seen = [n.last_seen for n in RelayClient(second, token=token).nodes()]
                         if seen and seen[0] > killed_at:
                             break
                     except Exception:  # noqa: BLE001 - not leading yet

@@ -120,7 +120,7 @@ def bench_event_latency(node, jobs: int) -> dict:
     try:
         while not (info := read_json(server_file(home))) or info.get("pid") != proc.pid:
             time.sleep(0.05)
-        with RelayClient(info["address"]) as client:
+        with RelayClient(info["address"], token=(home / "admin.token").read_text().strip()) as client:
             for _ in range(jobs):
                 job = client.submit({"name": "ev", "entrypoint": "python -c pass"}, upload=False)
                 client.cancel(job.id)
