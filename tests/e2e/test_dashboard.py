@@ -203,3 +203,27 @@ def test_cluster_queue_and_jobs_pages_and_cancel_from_the_page(dash, browser_con
         page.close()
         c.cancel(running)
         c.cancel(waiting)
+
+
+def test_balanced_shares_view_follows_the_ranks_reports(dash, browser_context):
+    """A ``balance: throughput`` job's strategy view: each rank's share, speed and idle time, as
+    the ranks report them, updated from the metrics stream while the page stays open."""
+    c, base, _ = dash
+    spec = {"name": "shares", "entrypoint": "python shares.py 400 0.05", "workers": 2,
+            "strategy": {"kind": "ddp", "balance": "throughput"}}
+    job_id = c.submit(JobSpec.parse(spec), base_dir=JOBS).id
+    page = browser_context.new_page()
+    try:
+        page.goto(f"{base}/?token={c.token}#/jobs/{job_id}")
+        page.wait_for_selector('#balanced-shares tr[data-rank="1"]', timeout=90_000)
+        # the re-split (step 5) arrives through the stream: the page is not reloaded
+        page.wait_for_function("document.querySelector('#balanced-shares tr[data-rank=\"1\"] [data-share]')"
+                               "?.dataset.share === '43'", timeout=60_000)
+        row0 = page.inner_text('#balanced-shares tr[data-rank="0"]')
+        row1 = page.inner_text('#balanced-shares tr[data-rank="1"]')
+        assert "85" in row0 and "66.4%" in row0 and "4200" in row0 and "3%" in row0, row0
+        assert "43" in row1 and "33.6%" in row1 and "2100" in row1 and "1%" in row1, row1
+        _shot(page, "job-balanced-shares")
+    finally:
+        page.close()
+        c.cancel(job_id)

@@ -94,7 +94,7 @@ def test_a_half_cpu_offer_is_a_half_cpu_ceiling(tmp_path, agent_groups, launches
     throughput itself is measured in ``bench/hetero.py``, not asserted here."""
     whole, half = agent_groups(1.0), agent_groups(0.5)
     assert Path(half.dirs[0], "cpu.cfs_quota_us" if half.layout.version == 1 else "cpu.max").read_text() \
-        .split()[0] == "50000"
+        .split()[0] == "5000"
     env = {"BUSY_S": "2.0"}
     runs = {g: make_launch(tmp_path, name, BUSY, [], g, cpu=0.5, env=env)
             for name, g in (("whole", whole), ("half", half))}

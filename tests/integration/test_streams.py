@@ -3,6 +3,7 @@
 Rows are posted as an agent posts them; the streams are read through a proxy whose
 connections the test cuts, so a reconnect really happens (the SDK's, with Last-Event-ID).
 """
+import json
 import threading
 import time
 from urllib.parse import urlparse
@@ -156,3 +157,32 @@ def test_series_are_downsampled_and_zoom_gives_full_resolution(module_server):
         _post_metrics(c, job_id, range(2_990, 2_995), attempt=1, loss=-1.0)
         tail = c.series(job_id, keys=["loss"], rank=0, start=2_980, end=3_000).series[0]
         assert tail.x[-1] == 2_994 and tail.y[-1] == -2_994.0 and tail.total == 2_995
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["numbers", "with-a-nan"])
+def test_first_keys_of_an_uncached_job_equal_the_cached_page(module_server, nan):
+    """A few keys of a job the series cache has not read yet are extracted by the database
+    alone (the dashboard's first chart); the page equals the one the full cache then gives:
+    ranks that differ, a key some rows lack, a resumed attempt's tail. A NaN the database's
+    JSON reader refuses makes the server read everything instead, with the same answer."""
+    with RelayClient(module_server) as c:
+        job_id = _job(c)
+        _post_metrics(c, job_id, range(0, 2_000), loss=1.0, lr=0.5, acc=0.1)
+        _post_metrics(c, job_id, range(0, 2_000), rank=1, loss=2.0, acc=0.1)  # no lr on rank 1
+        _post_metrics(c, job_id, range(1_990, 2_100), attempt=1, loss=-1.0, lr=0.5)  # resumed at 1_990
+        if nan:  # as Python's json writes it (httpx refuses to): a row SQLite's JSON reader cannot read
+            body = MetricBatch(launch_id=f"L-{job_id}-1", records=[MetricRecord(
+                rank=0, seq=2_100, step=2_100, time=time.time(), values={"loss": float("nan"), "lr": 0.5})])
+            c._request("POST", f"/jobs/{job_id}/metrics", content=json.dumps(body.model_dump()),
+                       headers={"content-type": "application/json"})
+        first = c.series(job_id, keys=["loss"], points=300)
+        whole = c.series(job_id, points=300)  # fills the cache
+        cached = c.series(job_id, keys=["loss"], points=300)
+        assert first.series == cached.series and [s.rank for s in first.series] == [0, 1]
+        assert first.keys == whole.keys == ["acc", "loss", "lr"] and first.ranks == whole.ranks == [0, 1]
+        assert first.after == whole.after
+        loss0 = first.series[0]
+        assert loss0.total == (2_101 if nan else 2_100) and loss0.x[-1] == (2_100 if nan else 2_099)
+        assert (loss0.y[-1] is None) if nan else loss0.y[-1] == -2_099.0
+        lr = c.series(job_id, keys=["lr", "acc"], rank=1, points=300)
+        assert [(s.key, s.rank) for s in lr.series] == [("acc", 1)]

@@ -58,14 +58,14 @@ def writes(layout, names, limits, **kw):
 @pytest.mark.parametrize("layout, names, limits, kw, expected", [
     # v1: the agent's offer of 0.5 cpu and 4 GiB as hard limits; swap may not stretch memory
     (V1, ("torchrelay-agent-7",), P.agent_limits(0.5, 4 << 30), {"delegate": True}, [
-        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_period_us", "100000"),
-        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_quota_us", "50000"),
+        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_period_us", "10000"),
+        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_quota_us", "5000"),
         ("/sys/fs/cgroup/memory/process_api/abc/torchrelay-agent-7/memory.limit_in_bytes", str(4 << 30)),
         ("/sys/fs/cgroup/memory/process_api/abc/torchrelay-agent-7/memory.memsw.limit_in_bytes", str(4 << 30))]),
     # v1 without swap accounting; an unknown memory offer (0) is no limit
     (V1, ("torchrelay-agent-7",), P.agent_limits(2, 0), {"swap_files": False}, [
-        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_period_us", "100000"),
-        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_quota_us", "200000")]),
+        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_period_us", "10000"),
+        ("/sys/fs/cgroup/cpu/torchrelay-agent-7/cpu.cfs_quota_us", "20000")]),
     # v1: a launch of 2 workers granted 0.5 cpu and 1 GiB each -> weight of 1 cpu, 2 GiB hard
     (V1, ("torchrelay-agent-7", "job-1-a0-n0"), P.launch_limits(0.5, 1 << 30, 2), {"swap_files": False}, [
         ("/sys/fs/cgroup/cpu/torchrelay-agent-7/job-1-a0-n0/cpu.shares", "1024"),
@@ -80,14 +80,18 @@ def writes(layout, names, limits, **kw):
     # a launch that asked for nothing gets no limits of its own (the agent's ceiling holds)
     (V1, ("a", "b"), P.launch_limits(0, 0, 3), {}, []),
     (V1, ("a", "b"), P.launch_limits(0, 0, 3, launcher_process=True), {}, []),
-    # the smallest quota the kernel takes
-    (V1, ("a",), P.Limits(cpus=0.001), {}, [("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "100000"),
+    # a quota under the kernel's smallest (1 ms) stretches the period instead, up to its largest (1 s)
+    (V1, ("a",), P.Limits(cpus=0.05), {}, [("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "20000"),
+                                         ("/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us", "1000")]),
+    (V1, ("a",), P.Limits(cpus=0.001), {}, [("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "1000000"),
                                           ("/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us", "1000")]),
+    (V1, ("a",), P.Limits(cpus=0.0001), {}, [("/sys/fs/cgroup/cpu/a/cpu.cfs_period_us", "1000000"),
+                                           ("/sys/fs/cgroup/cpu/a/cpu.cfs_quota_us", "1000")]),
     # v2: the agent's group delegates cpu and memory to its launches (and its parent to it)
     (V2, ("torchrelay-agent-7",), P.agent_limits(1.5, 1 << 30), {"delegate": True}, [
         ("/sys/fs/cgroup/relay/cgroup.subtree_control", "+cpu +memory"),
         ("/sys/fs/cgroup/relay/torchrelay-agent-7/cgroup.subtree_control", "+cpu +memory"),
-        ("/sys/fs/cgroup/relay/torchrelay-agent-7/cpu.max", "150000 100000"),
+        ("/sys/fs/cgroup/relay/torchrelay-agent-7/cpu.max", "15000 10000"),
         ("/sys/fs/cgroup/relay/torchrelay-agent-7/memory.max", str(1 << 30)),
         ("/sys/fs/cgroup/relay/torchrelay-agent-7/memory.swap.max", "0")]),
     # v2 launch: weight from shares as runc converts them (1 cpu = 1024 shares = weight 39)

@@ -23,10 +23,18 @@ exceeded").
 from __future__ import annotations
 
 import re
+import math
 from dataclasses import dataclass
 
 CONTROLLERS = ("cpu", "memory")
-PERIOD_US = 100_000  # the CFS period: the quota is cpus x this per period
+# The CFS period: the quota is cpus x this per period. 10 ms, not the kernel's default 100 ms:
+# a group at 0.5 cpu runs 50 ms then stalls 50 ms under a 100 ms period, and in synchronous
+# data parallel every rank waits out its slowest peer's stall at the next all-reduce (steps
+# here take a few ms); a 10 ms period caps a stall at 5 ms, so the quota acts as a rate, which
+# is what the balanced shares measure (Kubernetes exposes the same knob, cpuCFSQuotaPeriod,
+# for the same reason). A quota too small for it stretches the period instead (``_period_us``).
+PERIOD_US = 10_000
+MAX_PERIOD_US = 1_000_000  # the kernel's largest period
 MIN_QUOTA_US = 1_000  # the kernel's smallest quota
 AGENT_GROUP_PREFIX = "torchrelay-agent-"
 
@@ -184,8 +192,13 @@ def _weight(cpus: float) -> int:
     return max(1, min(10_000, 1 + ((_shares(cpus) - 2) * 9_999) // 262_142))
 
 
+def _period_us(cpus: float) -> int:
+    """``PERIOD_US``, or longer where ``cpus`` x ``PERIOD_US`` is under the smallest quota."""
+    return min(MAX_PERIOD_US, max(PERIOD_US, math.ceil(MIN_QUOTA_US / cpus))) if cpus > 0 else PERIOD_US
+
+
 def _quota_us(cpus: float) -> int:
-    return max(MIN_QUOTA_US, round(cpus * PERIOD_US))
+    return max(MIN_QUOTA_US, round(cpus * _period_us(cpus)))
 
 
 def plan_group(layout: Layout, names: tuple[str, ...], limits: Limits, *, swap_files: bool = True,
@@ -199,7 +212,7 @@ def plan_group(layout: Layout, names: tuple[str, ...], limits: Limits, *, swap_f
         cpu_dir = _join(layout.dir_of("cpu"), *names)
         mem_dir = _join(layout.dir_of("memory"), *names)
         if limits.cpus is not None:
-            writes += [Write(f"{cpu_dir}/cpu.cfs_period_us", str(PERIOD_US)),
+            writes += [Write(f"{cpu_dir}/cpu.cfs_period_us", str(_period_us(limits.cpus))),
                        Write(f"{cpu_dir}/cpu.cfs_quota_us", str(_quota_us(limits.cpus)))]
         if limits.cpu_weight is not None:
             writes.append(Write(f"{cpu_dir}/cpu.shares", str(_shares(limits.cpu_weight))))
@@ -215,7 +228,7 @@ def plan_group(layout: Layout, names: tuple[str, ...], limits: Limits, *, swap_f
         writes += [Write(f"{_join(parent, *names[:-1])}/cgroup.subtree_control", enable),
                    Write(f"{where}/cgroup.subtree_control", enable)]
     if limits.cpus is not None:
-        writes.append(Write(f"{where}/cpu.max", f"{_quota_us(limits.cpus)} {PERIOD_US}"))
+        writes.append(Write(f"{where}/cpu.max", f"{_quota_us(limits.cpus)} {_period_us(limits.cpus)}"))
     if limits.cpu_weight is not None:
         writes.append(Write(f"{where}/cpu.weight", str(_weight(limits.cpu_weight))))
     if limits.memory is not None:

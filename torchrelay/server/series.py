@@ -8,6 +8,10 @@ Contract:
   resolution). With ``rank`` None, rank R's series of a key is included only where it
   differs from the lowest rank's (ranks of a data-parallel job usually agree).
   ``page.after`` is the last metric row included: a metrics stream from there continues it.
+- A request for a few ``keys`` (at most ``_FEW_KEYS``) of a job the cache does not hold yet is
+  answered from just those keys, extracted by the database, without filling the cache: a big
+  job's first chart comes before the whole history is decoded (the dashboard asks for its
+  first chart's key first, then for all).
 - The cache reads only the rows added since its last read (by row id); it blocks (SQL) and is
   thread-safe (one lock). Jobs are evicted, least recently read first, past ``max_points``.
 - A step at or below a series' last step (an attempt resumed from an earlier checkpoint)
@@ -25,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+from sqlalchemy.exc import DBAPIError
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.server import telemetry
@@ -35,6 +40,8 @@ from torchrelay.wire import Series, SeriesPage
 
 MAX_POINTS_PER_SERIES = 100_000
 _READ_ROWS = 50_000
+_FEW_KEYS = 4  # a request for at most this many keys of a job not yet cached reads only them
+_SUMMARY_KEYS = ("step", "time", "ranks")  # what the job's last_metrics holds besides reported keys
 
 
 class _Line:
@@ -121,6 +128,10 @@ class SeriesCache:
         with self.db.read() as rows:
             row = rows.job(job_id)
             state = JobState(row.state)
+            if keys and len(keys) <= _FEW_KEYS and not self._cached(row.seq):
+                first = _few_keys_page(rows.s, row, state, keys, rank, points, start, end)
+                if first is not None:
+                    return first
             with self._lock:
                 job = self._refreshed(rows.s, row)
                 request = (tuple(keys) if keys is not None else None, rank, points, start, end, state)
@@ -130,6 +141,10 @@ class SeriesCache:
                         job.pages.clear()
                     page = job.pages[request] = _build(job, state, keys, rank, points, start, end)
                 return page
+
+    def _cached(self, seq: int) -> bool:
+        with self._lock:
+            return seq in self._jobs
 
     def _refreshed(self, s, row) -> _Job:  # noqa: ANN001
         job = self._jobs.pop(row.seq, None) or _Job()
@@ -142,6 +157,26 @@ class SeriesCache:
         while sum(j.points for j in self._jobs.values()) > self.max_points and len(self._jobs) > 1:
             self._jobs.popitem(last=False)
         return job
+
+
+def _few_keys_page(s, row, state: JobState, keys: list[str], rank: int | None, points: int,  # noqa: ANN001
+                   start: float | None, end: float | None) -> SeriesPage | None:
+    """A page of a few keys of a job the cache does not hold yet, read without filling the cache:
+    the database extracts just those keys (``telemetry.metric_key_columns``), so a big job's
+    first chart does not wait for every key's history to be decoded. None when the database
+    cannot extract them (a row whose JSON it does not read, e.g. a NaN written by an old
+    version): the caller reads everything instead."""
+    try:
+        fresh = telemetry.metric_key_columns(s, row, list(keys))
+        ranks = telemetry.metric_ranks(s, row)
+    except DBAPIError:
+        s.rollback()
+        return None
+    job = _Job()
+    job.add_rows(fresh)
+    page = _build(job, state, keys, rank, points, start, end)
+    reported = sorted(k for k in (row.last_metrics or {}) if k not in _SUMMARY_KEYS)
+    return page.model_copy(update={"keys": sorted(set(reported) | set(page.keys)), "ranks": ranks})
 
 
 def _build(job: _Job, state: JobState, keys: list[str] | None, rank: int | None, points: int,

@@ -88,6 +88,27 @@ def metric_columns(s: Session, job: JobRow, after: int, limit: int) -> list[tupl
     return [(r[0], r[1], r[2], r[3], values) for r, values in zip(rows, texts)]
 
 
+def metric_key_columns(s: Session, job: JobRow, keys: list[str]) -> list[tuple[int, int, int, float, dict[str, Any]]]:
+    """``metric_columns``' rows for a few ``keys`` only, every row of the job: the database
+    extracts the keys from each row's JSON (SQLite's ``json_extract``, PostgreSQL's ``->>``), so
+    Python decodes none of the other keys' values — a big job's first chart, before its whole
+    history is in the series cache. A key a row lacks is left out of that row's values. Raises
+    the database's error on a row whose JSON it cannot read (the caller falls back)."""
+    cols = [MetricRow.values[k].as_float() for k in keys]
+    q = (select(MetricRow.id, MetricRow.rank, MetricRow.step, MetricRow.time, *cols)
+         .where(MetricRow.job_seq == job.seq).order_by(MetricRow.id))
+    out = []
+    for r in s.execute(q):
+        values = {k: v for k, v in zip(keys, r[4:]) if v is not None}
+        out.append((r[0], r[1], r[2], r[3], values))
+    return out
+
+
+def metric_ranks(s: Session, job: JobRow) -> list[int]:
+    """Every rank that reported a metric point of the job, ascending."""
+    return sorted(s.scalars(select(MetricRow.rank).where(MetricRow.job_seq == job.seq).distinct()))
+
+
 def recent_steps(s: Session, job: JobRow, count: int) -> list[tuple[int, float]]:
     """(step, time) of the newest ``count`` metric points of the rank that reported last, oldest first."""
     rank = s.scalar(select(MetricRow.rank).where(MetricRow.job_seq == job.seq).order_by(MetricRow.id.desc()).limit(1))

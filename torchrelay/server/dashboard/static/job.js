@@ -30,8 +30,12 @@ export function renderJob(main, jobId) {
   (async () => {
     try {
       await refresh();
-      const after = await curves.load();
-      streams.push(stream(`/jobs/${jobId}/metrics/stream`, after, { onRows: (_k, points) => curves.add(points) }));
+      const reported = Object.keys(job.last_metrics || {}).filter((k) => !["step", "time", "ranks", "total_steps"].includes(k)).sort();
+      const after = await curves.load(reported[0]);
+      streams.push(stream(`/jobs/${jobId}/metrics/stream`, after, { onRows: (_k, points) => {
+        curves.add(points);
+        if (rankFigures(points, job)) drawShares(strategy.querySelector("#balanced-shares"), job);
+      } }));
       streams.push(stream(`/jobs/${jobId}/events/stream`, 0, {
         onRows: () => refresh().catch(showError), onEnd: () => { refresh().catch(showError); refreshFiles(); } }));
       logs.start(job);
@@ -101,7 +105,55 @@ async function drawStrategy(el, job) {
     parts.push(h("p", {}, `ranks 0–${workers - 1}: workers; ranks ${workers}–${workers + servers - 1}: parameter-server shards 0–${servers - 1}`));
     el.dataset.drawn = "1";
   } else el.dataset.drawn = "1";
+  const ranks = (job.last_metrics || {}).ranks || {};
+  if (strat.balance === "throughput" || Object.values(ranks).some((r) => r.share !== undefined)) {
+    const shares = h("div", { id: "balanced-shares" });
+    drawShares(shares, job);
+    parts.push(h("h3", {}, "Balanced shares"), shares);
+  }
   el.replaceChildren(...parts);
+}
+
+// Folds streamed points' per-rank figures (the server's PER_RANK_KEYS) into
+// job.last_metrics.ranks, so the shares view follows the metrics stream between refreshes.
+// Returns whether any figure changed.
+const PER_RANK_KEYS = ["share", "measured_samples_per_s", "idle_fraction"];
+function rankFigures(points, job) {
+  if (!job) return false;
+  const m = job.last_metrics = job.last_metrics || {};
+  const ranks = m.ranks = m.ranks || {};
+  let changed = false;
+  for (const p of points) {
+    for (const k of PER_RANK_KEYS) {
+      const v = (p.values || {})[k];
+      if (v === undefined || v === null) continue;
+      const r = ranks[p.rank] = ranks[p.rank] || {};
+      if (r[k] !== v) { r[k] = v; changed = true; }
+    }
+  }
+  return changed;
+}
+
+// Each rank's share of the global batch (balance: throughput), its measured speed and the part
+// of its step spent waiting in the all-reduce: the bars show the shares against the speeds.
+function drawShares(el, job) {
+  if (!el) return;
+  const ranks = (job.last_metrics || {}).ranks || {};
+  const ids = Object.keys(ranks).map(Number).sort((a, b) => a - b);
+  if (!ids.length) { el.replaceChildren(h("p", { class: "muted" }, "The shares appear once the ranks have measured their speeds.")); return; }
+  const total = ids.reduce((a, r) => a + (ranks[r].share || 0), 0) || 1;
+  const speed = ids.reduce((a, r) => a + (ranks[r].measured_samples_per_s || 0), 0) || 1;
+  const pct = (v) => v === undefined ? "" : `${num(100 * v, 3)}%`;
+  el.replaceChildren(h("table", {}, h("thead", {}, h("tr", {}, ["rank", "share of the batch", "samples/s", "idle in the all-reduce"].map((x) => h("th", {}, x)))),
+    h("tbody", {}, ids.map((r) => {
+      const f = ranks[r];
+      return h("tr", { "data-rank": r }, h("td", {}, r),
+        h("td", {}, h("div", { class: "bar" }, h("div", { style: `width:${100 * (f.share || 0) / total}%` })),
+          h("span", { "data-share": f.share ?? "" }, `${num(f.share)} (${pct((f.share || 0) / total)})`)),
+        h("td", {}, h("div", { class: "bar" }, h("div", { style: `width:${100 * (f.measured_samples_per_s || 0) / speed}%` })),
+          `${num(f.measured_samples_per_s)} (${pct((f.measured_samples_per_s || 0) / speed)})`),
+        h("td", { "data-idle": f.idle_fraction ?? "" }, pct(f.idle_fraction)));
+    }))));
 }
 
 function pipelinePlan(plan) {
