@@ -152,7 +152,8 @@ def main(argv=None) -> None:
         AgentOptions(cpus=1, labels={"speed": "fast"}), AgentOptions(cpus=0.5, labels={"speed": "slow"})])
     try:
         slow_dir = agent_cpu_dir(cluster.pids[2])
-        assert (slow_dir / "cpu.cfs_quota_us").read_text().strip() == "50000", f"no 0.5 cpu quota in {slow_dir}"
+        quota = int((slow_dir / "cpu.cfs_quota_us").read_text()) / int((slow_dir / "cpu.cfs_period_us").read_text())
+        assert quota == 0.5, f"no 0.5 cpu quota in {slow_dir} ({quota} cpu)"
         rows = {}
         with RelayClient(cluster.address) as client:
             for label in ("fast", "slow"):
