@@ -23,7 +23,7 @@ from torchrelay.agent.zygote import Zygote
 pytestmark = pytest.mark.timeout(300)
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "elastic"
 STRATEGIES = {"local_sgd": {"kind": "local_sgd", "every": 3, "warmup_steps": 2},
-              "diloco": {"kind": "diloco", "every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}}
+              "diloco": {"kind": "diloco", "every": 3, "outer_lr": 0.5, "outer_momentum": 0.5}}  # 0.9 overshoots here
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,13 @@ def test_survivors_redo_the_period_and_match_a_replay(tmp_path, warm_zygote, lau
     resumed_at = history[1]["start_step"]
     warmup, every = STRATEGIES[kind].get("warmup_steps", 0), STRATEGIES[kind]["every"]
     assert resumed_at >= 5 and (resumed_at - warmup) % every == 0  # back to the last sync point, not the start
+    for member in (0, 1):  # each went back to exactly its own state at that sync point, inner optimizer's too
+        assert same_state(params(out / f"state-1-{member}.pt"), params(out / f"anchor-0-{resumed_at}-{member}.pt"))
     steps = final_steps(out, [0, 1, 2])
     assert_exact_coverage(steps)  # the dead member's samples of the lost period were trained again
     assert all(len(steps[s]) == (3 if s < resumed_at else 2) for s in steps)
     losses = [sum(x["loss"] for x in steps[s]) / len(steps[s]) for s in sorted(steps)]
-    assert losses[-1] < losses[0]
+    assert sum(losses[-4:]) / 4 < sum(losses[:3]) / 3  # the curve went on (each member's loss is on 4-6 samples)
     assert_same(params(out / "final-0.pt"), params(out / "final-1.pt"))
 
     # replayed from the start: member 2 leaves right after the sync point the survivors went back to
@@ -127,6 +129,15 @@ def test_a_diloco_joiner_receives_the_sync_point_state(tmp_path, warm_zygote, la
     assert_exact_coverage(steps)
     assert all(len(steps[s]) == (2 if s < 6 else 3) for s in steps)
     assert_same(params(out / "final-0.pt"), params(out / "final-7.pt"))
+
+
+def same_state(a, b) -> bool:
+    """Nested state dicts equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return equal(a, b) if hasattr(a, "shape") else a == b
 
 
 def equal(a, b) -> bool:

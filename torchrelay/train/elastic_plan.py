@@ -22,7 +22,7 @@ torch.distributed, no clock, no I/O (``torchrelay.train.elastic`` carries them o
   state at its last sync point (True: it is the point everyone resumes from, and its inner
   optimizer state is its own) or takes the source member's (a joiner, None; or a member for
   which the last sync completed while it failed for the others).
-
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

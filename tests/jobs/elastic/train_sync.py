@@ -1,7 +1,8 @@
 """An elastic local SGD or DiLoCo job for the tests (the strategy is ``RELAY_STRATEGY``'s): the
 problem of ``train.py``, each member logging per completed step its loss, samples, membership
 and pid to ``$OUT/member-<id>.jsonl``, its state after every membership change to
-``$OUT/state-<epoch>-<id>.pt`` and its final parameters to ``$OUT/final-<id>.pt``.
+``$OUT/state-<epoch>-<id>.pt``, after every sync point to ``$OUT/anchor-<epoch>-<steps>-<id>.pt``
+and its final parameters to ``$OUT/final-<id>.pt``.
 
     python train_sync.py [--epochs 2] [--step-sleep 0] [--leave-at STEP --leaver ID] [--hold-at STEP]
     python train_sync.py --join ID                                     (a joiner)
@@ -52,9 +53,9 @@ member = group.member
 sync = ElasticSync(group, model, opt)
 
 
-def dump_state():
+def dump_state(name=None):
     torch.save({"model": model.state_dict(), "opt": sync.optimizer.state_dict()},
-               os.path.join(out, f"state-{group.membership.epoch}-{member}.pt"))
+               os.path.join(out, f"{name or f'state-{group.membership.epoch}'}-{member}.pt"))
 
 
 if args.join is not None:
@@ -80,6 +81,8 @@ while not sync.finished(args.epochs * STEPS_PER_EPOCH):
         log.write(json.dumps({"step": done, "epoch": trained_in, "members": members, "loss": loss.item(),
                               "samples": idx, "pid": os.getpid()}) + "\n")
         log.flush()
+        if sync.anchor_step == sync.steps_done and group.membership.epoch == trained_in:
+            dump_state(f"anchor-{trained_in}-{sync.steps_done}")
     if group.membership.epoch != trained_in:  # a membership change: back at a sync point
         dump_state()
     time.sleep(args.step_sleep)
