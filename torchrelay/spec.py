@@ -132,7 +132,23 @@ class DDPStrategy(_Balanced):
     elastic: ElasticRange | None = None
 
 
-class LocalSGDStrategy(_Balanced):
+class _ElasticPeriodic(_Balanced):
+    """local_sgd and diloco with ``elastic``: survivors redo the period since the last sync point,
+    joiners enter at a sync point (``torchrelay.train.elastic_sync``, docs/elastic.md). The
+    members' shares are equal there: ``balance: throughput`` does not go with ``elastic``."""
+
+    elastic: ElasticRange | None = None
+
+    @model_validator(mode="after")
+    def _elastic_unbalanced(self) -> "_ElasticPeriodic":
+        if self.elastic is not None and self.balance != "none":
+            raise ValueError(f"balance={self.balance!r} does not go with elastic: an elastic job splits each "
+                             "step's global batch equally among the members of the moment; drop balance "
+                             "or elastic")
+        return self
+
+
+class LocalSGDStrategy(_ElasticPeriodic):
     """Each replica steps alone; parameters averaged every ``every`` steps."""
 
     kind: Literal["local_sgd"]
@@ -140,7 +156,7 @@ class LocalSGDStrategy(_Balanced):
     warmup_steps: int = Field(default=0, ge=0)
 
 
-class DiLoCoStrategy(_Balanced):
+class DiLoCoStrategy(_ElasticPeriodic):
     """Inner optimizer for ``every`` steps, then the averaged delta through outer Nesterov."""
 
     kind: Literal["diloco"]
@@ -224,6 +240,14 @@ Strategy = Annotated[
     Field(discriminator="kind"),
 ]
 STRATEGY_KINDS = ("ddp", "local_sgd", "diloco", "final_average", "parameter_server", "pipeline", "fsdp")
+ELASTIC_KINDS = ("ddp", "local_sgd", "diloco")
+# why ``elastic`` makes no sense for the other kinds (the message of a spec that gives it)
+NOT_ELASTIC = {
+    "final_average": "its replicas agree only at the end, so a survivor would redo the whole run",
+    "parameter_server": "the parameters live on its server processes, which a worker's death does not concern",
+    "pipeline": "each worker holds a stage of the model, which dies with it",
+    "fsdp": "each worker holds a shard of the parameters and optimizer state, which dies with it",
+}
 
 
 class CheckpointPolicy(_Strict):
@@ -279,6 +303,16 @@ class JobSpec(_Strict):
             raise ValueError(f"entrypoint {value!r} is not a valid command line: {exc}") from None
         if not argv:
             raise ValueError("entrypoint is empty; give the command to run, e.g. 'python train.py'")
+        return value
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _elastic_kind(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("elastic") is not None and value.get("kind") in NOT_ELASTIC:
+            kind = value["kind"]
+            raise ValueError(f"elastic does not apply to strategy kind {kind!r}: {NOT_ELASTIC[kind]}; it applies "
+                             f"to {', '.join(ELASTIC_KINDS)}. Drop elastic (a failed worker then restarts the "
+                             "job from its checkpoint, docs/fault-tolerance.md)")
         return value
 
     @field_validator("name")

@@ -6,8 +6,8 @@ import pytest
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.spec import JobSpec
-from torchrelay.train.elastic_plan import (Membership, TooFewMembers, after_failure, after_join, member_range,
-                                           resume_step, state_source)
+from torchrelay.train.elastic_plan import (Membership, TooFewMembers, after_failure, after_join, keeps_own_state,
+                                           member_range, resume_step, state_source)
 
 THREE = Membership(0, 0, (0, 1, 2))
 
@@ -88,3 +88,47 @@ def test_the_spec_checks_the_elastic_range(elastic, workers, error):
     else:
         with pytest.raises(InvalidSpec, match=error.replace("[", r"\[").replace("]", r"\]")):
             JobSpec.parse(data)
+
+
+@pytest.mark.parametrize("own, source, keeps", [
+    (6, 6, True),       # a survivor at the sync point everyone resumes from: its own inner state
+    (9, 6, False),      # the sync of step 9 completed for it only: it takes the source's state
+    (None, 6, False),   # a joiner has none of its own
+    (0, 0, True),       # no sync yet beyond the start
+])
+def test_keeps_own_state(own, source, keeps):
+    assert keeps_own_state(own, source) is keeps
+
+
+@pytest.mark.parametrize("strategy, error", [
+    ({"kind": "local_sgd", "every": 4}, None),
+    ({"kind": "diloco", "every": 4, "outer_lr": 0.5}, None),
+    ({"kind": "local_sgd", "balance": "throughput"},
+     "balance='throughput' does not go with elastic: an elastic job splits each step's global batch equally"),
+    ({"kind": "diloco", "balance": "throughput"}, "balance='throughput' does not go with elastic"),
+    ({"kind": "final_average"}, "elastic does not apply to strategy kind 'final_average': its replicas agree only "
+                                "at the end"),
+    ({"kind": "fsdp"}, "elastic does not apply to strategy kind 'fsdp': each worker holds a shard"),
+    ({"kind": "pipeline"}, "elastic does not apply to strategy kind 'pipeline'"),
+    ({"kind": "parameter_server"}, "elastic does not apply to strategy kind 'parameter_server'.*it applies to "
+                                   "ddp, local_sgd, diloco"),
+])
+def test_the_spec_takes_elastic_for_local_sgd_and_diloco_only(strategy, error):
+    data = {"entrypoint": "python train.py", "workers": 3,
+            "strategy": {**strategy, "elastic": {"min_workers": 2, "max_workers": 4}}}
+    if error is None:
+        parsed = JobSpec.parse(data).strategy
+        assert parsed.kind == strategy["kind"] and (parsed.elastic.min_workers, parsed.elastic.max_workers) == (2, 4)
+    else:
+        with pytest.raises(InvalidSpec, match=error):
+            JobSpec.parse(data)
+
+
+def test_local_sgd_and_diloco_without_elastic_are_unchanged():
+    for kind in ("local_sgd", "diloco"):
+        spec = JobSpec.parse({"entrypoint": "python train.py", "workers": 3,
+                              "strategy": {"kind": kind, "balance": "throughput"}})
+        assert spec.strategy.elastic is None
+    with pytest.raises(InvalidSpec, match=r"workers=5 is outside strategy.elastic's range \[2, 4\]"):
+        JobSpec.parse({"entrypoint": "python train.py", "workers": 5,
+                       "strategy": {"kind": "diloco", "elastic": {"min_workers": 2, "max_workers": 4}}})

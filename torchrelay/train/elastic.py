@@ -28,6 +28,8 @@ Contract:
   False when the membership changed instead (this member's gradients are stale: zero them,
   call ``sync_state``, redo the step). Raises ``TooFewMembers`` below ``min_workers``,
   ``MembershipLost`` when this member was left out.
+- ``all_reduce_(flat, steps_done) -> bool``: the same for any 1-D tensor (summed in place):
+  what ``elastic_sync`` (local SGD and DiLoCo over membership epochs) averages with.
 - ``step_done(steps_done)``: at a step boundary; admits waiting joiners when the group agreed
   to (the decision rides in the gradient all-reduce: no extra collective per step).
 - ``needs_sync`` / ``sync_state(state)``: after a change every member calls ``sync_state`` with
@@ -65,8 +67,8 @@ def _range_from_env() -> tuple[int, int]:
         elastic = json.loads(os.environ.get("RELAY_STRATEGY") or "{}").get("elastic") or {}
         return int(elastic["min_workers"]), int(elastic["max_workers"])
     except (ValueError, KeyError, AttributeError, TypeError):
-        raise InvalidSpec("the job's strategy has no elastic range; give strategy: {kind: ddp, elastic: "
-                          "{min_workers: M, max_workers: N}}, or min_workers= and max_workers=") from None
+        raise InvalidSpec("the job's strategy has no elastic range; give strategy: {kind: ddp (or local_sgd, "
+                          "diloco), elastic: {min_workers: M, max_workers: N}}, or min_workers= and max_workers=") from None
 
 
 class ElasticGroup:
@@ -153,19 +155,30 @@ class ElasticGroup:
         """Sum the members' gradients in place (see the module docstring); False if the
         membership changed instead."""
         params = [p for p in parameters if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(1)])
-        if self.rank == 0:  # the joiners waiting, as member rank 0 sees them: everyone gets its count
-            flat[-1] = float(self.store.add("joiners/next", 0) - self._admitted)
-        try:
-            self._pg.allreduce([flat]).wait()
-        except RuntimeError:
-            self._reform(steps_done)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if not self.all_reduce_(flat, steps_done):
             return False
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
             offset += p.grad.numel()
-        self._admit_next = int(flat[-1].item())
+        return True
+
+    def all_reduce_(self, flat: torch.Tensor, steps_done: int) -> bool:
+        """Sum the 1-D ``flat`` over the members in place; it also carries the count of waiting
+        joiners (``step_done`` admits them). False when the membership changed instead: the
+        group re-formed with ``steps_done`` as this member's completed steps, ``needs_sync``."""
+        rider = torch.zeros(1, dtype=flat.dtype)
+        if self.rank == 0:  # the joiners waiting, as member rank 0 sees them: everyone gets its count
+            rider[0] = float(self.store.add("joiners/next", 0) - self._admitted)
+        both = torch.cat([flat, rider])
+        try:
+            self._pg.allreduce([both]).wait()
+        except RuntimeError:
+            self._reform(steps_done)
+            return False
+        flat.copy_(both[:-1])
+        self._admit_next = int(both[-1].item())
         return True
 
     def step_done(self, steps_done: int) -> None:

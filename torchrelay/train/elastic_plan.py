@@ -17,6 +17,11 @@ torch.distributed, no clock, no I/O (``torchrelay.train.elastic`` carries them o
   the epoch's order that ``member`` trains at ``step``: equal shares of the global batch
   (``shares.step_split``), so the global batch stays the same whatever the membership and
   every sample of the epoch is trained exactly once, also across membership changes.
+- ``keeps_own_state(own_sync_step, source_sync_step)``: local SGD / DiLoCo
+  (``torchrelay.train.elastic_sync``): after a change, whether a member goes on from its own
+  state at its last sync point (True: it is the point everyone resumes from, and its inner
+  optimizer state is its own) or takes the source member's (a joiner, None; or a member for
+  which the last sync completed while it failed for the others).
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ from dataclasses import dataclass
 
 from torchrelay.train.shares import proportional_shares, step_split
 
-__all__ = ["Membership", "TooFewMembers", "after_failure", "after_join", "member_range", "resume_step",
-           "state_source"]
+__all__ = ["Membership", "TooFewMembers", "after_failure", "after_join", "keeps_own_state", "member_range",
+           "resume_step", "state_source"]
 
 
 class TooFewMembers(RuntimeError):
@@ -90,3 +95,9 @@ def member_range(num_samples: int, global_batch: int, step: int, members: Sequen
         raise ValueError(f"member {member} is not among {ordered}")
     shares = proportional_shares([1.0] * len(ordered), global_batch)
     return step_split(num_samples, global_batch, step, shares)[ordered.index(member)]
+
+
+def keeps_own_state(own_sync_step: int | None, source_sync_step: int) -> bool:
+    """Whether a member keeps its own sync-point state after a change (see the module docstring):
+    it has one (not a joiner) and it is at the step everyone resumes from (the source's)."""
+    return own_sync_step is not None and own_sync_step == source_sync_step
