@@ -81,7 +81,7 @@ from torchrelay.agent.zygote import Zygote
 # What the warm zygote imports before it forks ranks: torch, and the platform's training library
 # (its import, torch.distributed.checkpoint with it, costs seconds of CPU per rank otherwise).
 # Neither reads the environment nor starts a thread when imported.
-WARM_PRELOAD = ("torch", "torchrelay.train", "torchrelay.train.elastic")
+WARM_PRELOAD = ("torch", "torchrelay.train", "torchrelay.train.elastic", "torchrelay.train.elastic_sync")
 
 log = logging.getLogger(__name__)
 
