@@ -11,9 +11,10 @@ Contract:
   placement: that launch hosts the job's store). ``drop(job_id)`` takes one out (it is
   being preempted whole); ``take(job_id, per_node)`` books workers given back in this cycle.
 - ``choose(cluster, tiers, job, free, allowed)`` considers only candidates strictly lower in
-  priority than ``job``, and only nodes in ``allowed``. It counts every worker a candidate may
-  give back on a node as free (a bound: a job's total is capped by its spare below), places
-  the job there, then on each node of that placement takes workers from candidates cheapest
+  priority than ``job``, and only nodes in ``allowed``. Level by level from the lowest priority
+  up, it counts every worker a candidate may give back on a node as free (a bound: a job's
+  total is capped by its spare below) and places the job at the first level where it fits,
+  then on each node of that placement takes workers from candidates cheapest
   first (lowest priority, most recently started, job id), as few as cover the node's deficit,
   within each job's spare. Returns ``({job_id: {node index: workers}}, choice)``, or None when
   shrinking alone cannot make room (the caller then preempts whole). Pure: no I/O.
@@ -95,16 +96,20 @@ class ShrinkPool:
                             key=lambda j: (j.priority, -j.started_at, j.job_id))
         if not candidates:
             return None
-        avail = free.copy()
-        for cand in candidates:
-            for node in cand.counts:
-                count = cand.releasable(node)
-                if count > 0 and allowed[node]:
-                    avail[node] += count * cand.per_worker[node]
-        if not feasible(cluster, tiers, job, avail, allowed):
-            return None
-        choice = place_best(cluster, tiers, job, avail, allowed)
-        if choice is None:  # cannot happen: feasible said it fits
+        avail, choice = free.copy(), None
+        for level in sorted({cand.priority for cand in candidates}):  # the lowest priorities first
+            for cand in candidates:
+                if cand.priority != level:
+                    continue
+                for node in cand.counts:
+                    count = cand.releasable(node)
+                    if count > 0 and allowed[node]:
+                        avail[node] += count * cand.per_worker[node]
+            if feasible(cluster, tiers, job, avail, allowed):
+                choice = place_best(cluster, tiers, job, avail, allowed)
+                candidates = [cand for cand in candidates if cand.priority <= level]
+                break
+        if choice is None:
             return None
         nodes, use = use_of(choice, cluster)
         spare = {cand.job_id: cand.spare for cand in candidates}
