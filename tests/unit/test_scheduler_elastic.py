@@ -1,12 +1,22 @@
 """Elastic jobs in the scheduling policy, case by case: a queued one starts with as many workers
 as fit (down to ``min_workers``), and a running one gives workers back (``Decisions.shrinks``)
-to a higher-priority job instead of being preempted whole, when that is enough."""
+to a higher-priority job instead of being preempted whole, when that is enough. Then the pure
+parts of carrying that out: what the server tells the policy, which ranks leave, the world of
+a job started smaller, and when the agent calls a shrunk launch successful."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
-from torchrelay.scheduler import (Allocation, NodeView, QueuedJob, SchedulerInput, Shrink, WorkerShape, fits_ever,
-                                  job_problem, schedule)
+from torchrelay import wire
+from torchrelay.agent.launcher import elastic_survived
+from torchrelay.layout import RankLayout
+from torchrelay.scheduler import (Allocation, NodeView, Placement, QueuedJob, SchedulerInput, Shrink, WorkerShape,
+                                  fits_ever, job_problem, schedule)
+from torchrelay.server.assignment import placed_layout, plan_launches, ranks_to_release
+from torchrelay.server.scheduling import allocation, elastic_min, placement_summary, queued_job, shrink_event
+from torchrelay.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,3 +151,88 @@ def test_once_the_released_workers_left_the_job_starts_beside_the_smaller_elasti
     # the next cycle: the server reports e with the 2 workers it kept
     d = decide([node("a", 3)], [job("h", 1, **HIGH)], [running("e", [("a", 2)], 2)])
     assert placed(d) == {"h": (("a", 1),)} and not d.shrinks and not d.preemptions
+
+
+# ---------------------------------------------------------------- the server's side (pure parts)
+
+ELASTIC = {"kind": "ddp", "elastic": {"min_workers": 2, "max_workers": 4}}
+
+
+def spec(**kw):
+    return JobSpec.parse({"name": "t", "entrypoint": "python train.py", **kw})
+
+
+def live(node, nproc, offset, released=None):
+    return SimpleNamespace(node_id=node, nproc=nproc, rank_offset=offset, cpu=1.0, gpu=0, memory=0, released=released)
+
+
+@pytest.mark.parametrize("job_spec, expected", [
+    (spec(workers=3, strategy=ELASTIC), 2),
+    (spec(workers=3), None),  # not elastic
+    (spec(workers=4, nodes=2, workers_per_node=2, strategy=ELASTIC), None),  # a node gang runs whole
+])
+def test_the_policy_is_told_an_elastic_jobs_min_workers(job_spec, expected):
+    assert elastic_min(job_spec) == expected
+    assert queued_job(1, job_spec).min_workers == expected
+
+
+@pytest.mark.parametrize("launches, expected", [
+    # nothing released: every process holds a worker
+    ([live("a", 3, 0)], (("a", 3),)),
+    # rank 2 asked to leave: given back at once
+    ([live("a", 3, 0, [2])], (("a", 2),)),
+    # a node whose ranks all left drops out; node 0 stays first
+    ([live("a", 2, 0), live("b", 1, 2, [2])], (("a", 2),)),
+    ([live("a", 2, 0, [1]), live("b", 2, 2)], (("a", 1), ("b", 2))),
+])
+def test_a_shrunk_job_holds_the_workers_it_kept(launches, expected):
+    alloc = allocation(seq=3, spec=spec(workers=4, strategy=ELASTIC), live=launches, started_at=0.0, preempting=False)
+    assert (alloc.placement, alloc.min_workers) == (expected, 2)
+
+
+@pytest.mark.parametrize("nproc, offset, released, count, expected", [
+    (3, 0, None, 1, [2]),  # the highest rank first
+    (3, 0, [2], 1, [1]),  # then the next one not released yet
+    (2, 2, None, 2, [2, 3]),  # a whole launch on another node
+])
+def test_a_shrink_releases_a_launchs_highest_ranks(nproc, offset, released, count, expected):
+    assert ranks_to_release(rank_offset=offset, nproc=nproc, released=released, count=count) == expected
+
+
+def test_a_shrink_cannot_release_more_ranks_than_a_launch_has_left():
+    with pytest.raises(ValueError, match="cannot release 2 ranks of ranks 0..1: only 1 are left"):
+        ranks_to_release(rank_offset=0, nproc=2, released=[1], count=2)
+
+
+def test_a_job_placed_with_fewer_workers_gets_a_world_of_those_placed():
+    layout = RankLayout(workers=4)
+    small = Placement("job-3", (("a", 2), ("b", 1)), CPU)
+    assert placed_layout(layout, small, 2) == RankLayout(workers=3)
+    plans = plan_launches("job-3", 1, small, placed_layout(layout, small, 2))
+    assert [(p.rank_offset, p.nproc, p.world_size) for p in plans] == [(0, 2, 3), (2, 1, 3)]
+    assert placed_layout(layout, Placement("job-3", (("a", 4),), CPU), 2) is layout
+    with pytest.raises(ValueError, match=r"placed with 1 workers, outside its elastic range \[2, 4\]"):
+        placed_layout(layout, Placement("job-3", (("a", 1),), CPU), 2)
+
+
+def test_the_placement_and_the_shrink_say_what_happened():
+    text = placement_summary(Placement("job-3", (("n1", 2),), CPU), spec(workers=3, strategy=ELASTIC), {"n1": "a"}, {})
+    assert text == "a×2 (elastic: 2 of 3 workers, all the cluster had room for)"
+    event = shrink_event(Shrink("job-3", (("n1", 1),), "job-9"), [2], 3, {"n1": "a"})
+    assert event == "shrinking for higher-priority job job-9: rank(s) 2 leave (a×1); elastic: 3 → 2 workers"
+
+
+def rank(r, returned):
+    return wire.RankExit(rank=r, returned=returned, signal=None if returned else 15)
+
+
+@pytest.mark.parametrize("ranks, min_workers, released, expected", [
+    ([rank(0, True), rank(1, True), rank(2, False)], 2, frozenset(), True),  # enough returned
+    ([rank(0, True), rank(1, False)], 2, frozenset(), False),
+    # a launch on another node whose only rank was released: it kept nothing and failed nothing
+    ([rank(2, False)], 2, frozenset({2}), True),
+    ([rank(2, False), rank(3, False)], 2, frozenset({2}), False),  # rank 3 failed on its own
+    ([rank(0, True), rank(1, False)], None, frozenset({1}), False),  # not elastic: never
+])
+def test_an_elastic_launch_whose_released_ranks_left_succeeds(ranks, min_workers, released, expected):
+    assert elastic_survived(ranks, min_workers, released) is expected
