@@ -208,7 +208,8 @@ class Control:
                 running.append(scheduling.allocation(
                     seq=brief.seq, spec=facts.spec, live=live,
                     started_at=brief.placed_at if brief.placed_at is not None else brief.submitted_at,
-                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value))
+                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value,
+                    running=brief.state == JobState.RUNNING.value))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(facts.queued)
                 waiting[facts.queued.job_id] = (brief, facts)
@@ -250,7 +251,7 @@ class Control:
         group goes on without them); an event says which and for whom. Nothing for a job that
         is no longer running (it ended, or is being stopped anyway)."""
         row = rows.job(shrink.job_id)
-        if JobState(row.state) not in (JobState.SCHEDULED, JobState.RUNNING) or row.requeue:
+        if JobState(row.state) != JobState.RUNNING or row.requeue:
             return
         launches = rows.live_launches(row)
         by_node = {x.node_id: x for x in launches if x.desired == "run"}

@@ -123,11 +123,12 @@ def _granted(launch: LiveLaunch, gpu_type: str | None) -> policy.WorkerShape:
 
 
 def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_at: float,
-               preempting: bool) -> policy.Allocation:
+               preempting: bool, running: bool = True) -> policy.Allocation:
     """A job holding nodes (``live``: its current attempt's launches, not empty, in node rank
     order). A parameter-server job's server launches are those whose ranks the layout gives its
     servers. An elastic job's workers asked to leave (a shrink) are given back at once: each
-    has the job's ``stop_grace_s`` to go (SIGKILL then), and its node 0 keeps a worker."""
+    has the job's ``stop_grace_s`` to go (SIGKILL then), and its node 0 keeps a worker. Only a
+    ``running`` job (a launch of it reported running) may be shrunk."""
     layout = RankLayout.of_spec(spec)  # an elastic job started smaller has no ranks past its workers either
     workers = [x for x in live if not layout.is_server(x.rank_offset)]
     servers = [x for x in live if layout.is_server(x.rank_offset)]
@@ -143,7 +144,7 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
         job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, shape=shape, on_cpu=on_cpu,
         placement=tuple((x.node_id, held_workers(x)) for i, x in enumerate(workers) if i == 0 or held_workers(x)),
         preemptible=spec.preemptible, started_at=started_at, max_runtime_s=spec.max_runtime_s,
-        preempting=preempting, roles=roles, min_workers=elastic_min(spec))
+        preempting=preempting, roles=roles, min_workers=elastic_min(spec) if running else None)
 
 
 
