@@ -97,7 +97,8 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def elastic_survived(ranks: list[wire.RankExit], min_workers: int | None, released: frozenset[int] = frozenset()) -> bool:
+def elastic_survived(ranks: list[wire.RankExit], min_workers: int | None,
+                     released: frozenset[int] = frozenset()) -> bool:
     """Whether an elastic launch succeeded although some ranks failed: at least ``min_workers``
     of its ranks returned (the others left the job, which went on without them), or some were
     ``released`` (the server shrank the job) and every other rank returned."""
