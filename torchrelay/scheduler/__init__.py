@@ -12,7 +12,8 @@ heterogeneous requests) is stated in ``policy``'s contract and in docs/schedulin
 ``fitindex`` (per-node capacities kept up to date, so fit checks scan no nodes),
 ``fairshare`` (accounting, quotas, order), ``backfill`` (reservation, estimates),
 ``preemption`` (victims), ``shrink`` (elastic jobs giving workers back), ``policy`` (the
-cycle), ``fifo`` (the first-cut baseline), ``simulate`` (an event-driven trace simulator for tests and the benchmark).
+cycle), ``fifo`` (the first-cut baseline), ``simulate`` (an event-driven trace simulator for
+tests and the benchmark).
 """
 from __future__ import annotations
 
