@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torchrelay import wire
 from torchrelay.agent.launcher import elastic_survived
@@ -236,3 +237,57 @@ def rank(r, returned):
 ])
 def test_an_elastic_launch_whose_released_ranks_left_succeeds(ranks, min_workers, released, expected):
     assert elastic_survived(ranks, min_workers, released) is expected
+
+
+# ---------------------------------------------------------------- over random clusters
+
+@st.composite
+def two_cycles(draw):
+    """Random nodes; a first queue (elastic or not, priorities 0-2) placed on the empty cluster;
+    then a second queue of jobs of priorities 0-5 arriving while the first runs."""
+    nodes = [NodeView(f"n{i}", draw(st.sampled_from([1, 2, 3, 4])), 0, 0) for i in range(draw(st.integers(1, 4)))]
+
+    def queue(prefix, count, priorities, seq):
+        jobs = []
+        for i in range(count):
+            workers = draw(st.integers(1, 6))
+            low = draw(st.none() | st.integers(1, workers))
+            jobs.append(job(f"{prefix}{i}", workers, low, priority=draw(priorities), seq=seq + i,
+                            preemptible=draw(st.booleans() | st.just(True))))
+        return jobs
+
+    first = queue("r", draw(st.integers(1, 5)), st.integers(0, 2), 1)
+    second = queue("q", draw(st.integers(1, 4)), st.integers(0, 5), 100)
+    return nodes, first, second
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(two_cycles())
+def test_elastic_decisions_keep_their_bounds(case):
+    nodes, first, second = case
+    d1 = decide(nodes, first)
+    asked = {q.job_id: q for q in first}
+    used: dict[str, float] = {}
+    for p in d1.placements:  # started with min_workers..workers, never over-committing a node
+        q, count = asked[p.job_id], sum(k for _, k in p.placement)
+        assert (q.min_workers or q.workers) <= count <= q.workers
+        for node_id, k in p.placement:
+            used[node_id] = used.get(node_id, 0) + k
+    assert all(used.get(n.id, 0) <= n.cpus for n in nodes)
+    run = [running(p.job_id, p.placement, asked[p.job_id].min_workers, asked[p.job_id].priority,
+                   preemptible=asked[p.job_id].preemptible) for p in d1.placements]
+    d2 = decide(nodes, second, run)
+    held = {a.job_id: a for a in run}
+    priority = {q.job_id: q.priority for q in second}
+    given_back: dict[str, dict[str, int]] = {}
+    for s in d2.shrinks:
+        a = held[s.job_id]
+        assert a.min_workers is not None and a.preemptible and a.priority < priority[s.for_job]
+        for node_id, k in s.release:
+            given_back.setdefault(s.job_id, {})[node_id] = given_back.get(s.job_id, {}).get(node_id, 0) + k
+    for job_id, per_node in given_back.items():
+        a = held[job_id]
+        left = {node_id: k - per_node.get(node_id, 0) for node_id, k in a.placement}
+        assert min(left.values()) >= 0 and sum(left.values()) >= a.min_workers
+        assert left[a.placement[0][0]] >= 1  # node 0 keeps a worker: it hosts the store
+        assert job_id not in d2.preemptions  # shrunk or preempted, not both
