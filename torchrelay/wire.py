@@ -335,6 +335,9 @@ class LaunchAssignment(_Model):
     mpi: MpiWorld | None = Field(default=None, description="set for an mpirun job (``launcher``)")
     worker_token: str | None = Field(default=None, description="the workers' RELAY_TOKEN: valid for this job's "
                                      "attempt only")
+    released_ranks: list[int] = Field(default_factory=list, description="an elastic launch's global ranks the server "
+                                      "asked to leave (a shrink): the agent ends those ranks only (SIGTERM, "
+                                      "SIGKILL after stop_grace_s); the others go on")
 
 
 class HeartbeatReply(_Model):

@@ -17,6 +17,9 @@ Contract:
   (thread-safe, never block; the last partial line is sent once the launch exited).
 - ``Launch.stop(grace_s)``: the backend's ``signal(SIGTERM)``, ``SIGKILL`` after ``grace_s``,
   then whatever of the launch is left; returns only when no process is left. Idempotent.
+- ``Launch.release(ranks, grace_s)``: ends those ranks of a running elastic launch only (the
+  server shrank the job; a warm launch's ``WarmBackend.release``), each once; the launch then
+  succeeds when the ranks it kept returned (``elastic_survived``). Does not block.
 - ``pick_free_port(host)``: a port the OS says is free there now.
 - ``cgroup=`` (a ``cgroups.LaunchCgroup``): created by ``start`` before anything runs (a refusal
   raises ``cgroups.CgroupError``, an ``OSError``), every process of the launch starts in it, and
@@ -31,6 +34,7 @@ Files under ``run_dir``: ``logs/rank-R.log`` (tagged lines, see the worker), ``m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -49,6 +53,8 @@ from torchrelay.agent.output import LaunchOutput
 from torchrelay.agent.processes import end_processes, find_launch_processes, group_alive
 from torchrelay.agent.warm import WarmBackend, elastic_min_workers
 from torchrelay.agent.zygote import Zygote
+
+log = logging.getLogger(__name__)
 
 
 def default_backend_kind(assignment: wire.LaunchAssignment, zygote: Zygote | None,
@@ -91,10 +97,16 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def elastic_survived(ranks: list[wire.RankExit], min_workers: int | None) -> bool:
+def elastic_survived(ranks: list[wire.RankExit], min_workers: int | None,
+                     released: frozenset[int] = frozenset()) -> bool:
     """Whether an elastic launch succeeded although some ranks failed: at least ``min_workers``
-    of its ranks returned (the others left the job, which went on without them)."""
-    return min_workers is not None and sum(r.returned for r in ranks) >= min_workers
+    of its ranks returned (the others left the job, which went on without them), or some were
+    ``released`` (the server shrank the job) and every other rank returned."""
+    if min_workers is None:
+        return False
+    if sum(r.returned for r in ranks) >= min_workers:
+        return True
+    return bool(released) and all(r.returned for r in ranks if r.rank not in released)
 
 
 def oom_ranks(ranks: list[wire.RankExit], reason: str) -> list[wire.RankExit]:
@@ -138,6 +150,7 @@ class Launch:
         self._started = False
         self._stopped = False
         self._status: wire.LaunchStatus | None = None
+        self._released: set[int] = set()  # ranks the server asked to leave (``release``)
 
     @property
     def launch_id(self) -> str:
@@ -232,7 +245,8 @@ class Launch:
     def _finish(self) -> wire.LaunchStatus:
         self._read_output(final=True)
         ranks, succeeded = classify_exit(self.ranks, self._markers(), self._output.last_lines)
-        succeeded = succeeded or elastic_survived(ranks, elastic_min_workers(self.assignment.env))
+        succeeded = succeeded or elastic_survived(ranks, elastic_min_workers(self.assignment.env),
+                                                  frozenset(self._released))
         released = self.cgroup.release() if self.cgroup is not None else Release(0, None)
         if released.reason:
             ranks = oom_ranks(ranks, released.reason)
@@ -243,7 +257,8 @@ class Launch:
         left = [r for r in ranks if not r.returned]
         if succeeded and left:  # an elastic launch that went on without some of its ranks
             message = (f"{len(ranks) - len(left)} of {len(ranks)} ranks returned (elastic; left: "
-                       + "; ".join(describe_rank(r) for r in left) + ")")
+                       + "; ".join(describe_rank(r) + (" (released)" if r.rank in self._released else "")
+                                   for r in left) + ")")
         if released.reason and released.reason not in message:
             message = f"{released.reason}; {message}"
         return wire.LaunchStatus(state="exited", ranks=ranks, succeeded=succeeded,
@@ -280,6 +295,18 @@ class Launch:
                 self.backend.wait(step)
             else:
                 time.sleep(step)
+
+    def release(self, ranks: list[int], grace_s: float) -> None:
+        """End ``ranks`` of this running launch only (see the module docstring)."""
+        with self._lock:
+            new = [rank for rank in ranks if rank in self.ranks and rank not in self._released]
+            if not new or not self._started or self._status is not None:
+                return
+            self._released.update(new)
+            release = getattr(self.backend, "release", None)
+        if release is None or not release(new, max(grace_s, 0.0)):
+            log.warning("launch %s: cannot end ranks %s alone (%s backend); they run on",
+                        self.launch_id, new, self.backend.kind.value)
 
     def remaining_processes(self) -> list[int]:
         """Live pids of this launch (torchrun, supervisors, scripts and their children)."""

@@ -18,6 +18,8 @@ Contract:
 - While the launch runs, its new log and metric records go to ``deps.outbox`` every
   ``deps.ship_interval_s``; the last ones go before its ``exited`` is reported, so the outbox
   holds a launch's lines ahead of its end. Only this thread takes its launch's records.
+- Ranks a later assignment lists in ``released_ranks`` (the server shrank an elastic job) are
+  ended alone (``Launch.release``); the launch goes on.
 - ``request_stop()`` (idempotent) stops the launch with the assignment's ``stop_grace_s`` (the
   job's, so that workers can commit a checkpoint on SIGTERM), or ends it before it starts.
 - Whatever goes wrong in the agent itself, the launch ends reported ("agent error: ...").
@@ -227,14 +229,19 @@ class LaunchRunner:
             return self.assignment.master_addr, self.assignment.master_port
 
     def _watch(self, launch: LaunchHandle) -> wire.LaunchStatus:
-        """Until the launch exits (or is stopped): its records to the outbox as they come."""
+        """Until the launch exits (or is stopped): its records to the outbox as they come, and
+        the ranks the server asks to leave (``released_ranks``: a shrink) ended."""
         flushed_at = time.monotonic()
+        released: list[int] = []
         while True:
             status = launch.wait(timeout=WATCH_S)
             if status is not None:
                 return status
             if self._stop_requested.is_set():
                 return launch.stop(self.assignment.stop_grace_s)
+            if self.assignment.released_ranks != released and hasattr(launch, "release"):
+                released = list(self.assignment.released_ranks)
+                launch.release(released, self.assignment.stop_grace_s)
             if time.monotonic() - flushed_at >= self.deps.ship_interval_s:
                 self._flush_records()
                 flushed_at = time.monotonic()

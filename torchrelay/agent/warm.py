@@ -18,7 +18,9 @@ the launch keeps torchrun's contract:
   ``shutdown_timeout_s``; the launch ends when every rank ended, then the store host is killed.
   An elastic job's launch (``elastic_min_workers``) leaves the peers of a failed rank running:
   they go on without it (``torchrelay.train.elastic``).
-  Each rank is its own session (process group), signalled as a group by ``signal``.
+  Each rank is its own session (process group), signalled as a group by ``signal``;
+  ``release(ranks, grace_s)`` ends some ranks only (SIGTERM, SIGKILL after ``grace_s``): the
+  server shrank an elastic job, whose other ranks go on.
 - **Fallback**: where a fork cannot be used (``warm_refusal``: a program rather than Python, a
   different interpreter, a job that sets a start-up or threading variable differently from the
   zygote, ``RELAY_FRESH_INTERPRETER=1`` in its env) or the zygote refuses (e.g. a CUDA context
@@ -249,6 +251,27 @@ class WarmBackend(LaunchBackend):
             return
         for rank in self.ranks:
             rank.signal(sig)
+
+    def release(self, ranks: list[int], grace_s: float) -> bool:
+        """End ``ranks`` (global) only: SIGTERM now, SIGKILL to those left after ``grace_s``.
+        False when the launch went through torchrun, which cannot signal one rank."""
+        if self.fallback is not None:
+            return False
+        wanted = set(ranks)
+        chosen = [rank for rank in self.ranks if rank.rank in wanted and not rank.poll()]
+        for rank in chosen:
+            rank.signal(signal.SIGTERM)
+        if chosen:
+            threading.Thread(target=self._kill_after, args=(chosen, grace_s), daemon=True,
+                             name=f"relay-release-{self.place.assignment.launch_id}").start()
+        return True
+
+    @staticmethod
+    def _kill_after(ranks: list[_WarmRank], grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for rank in ranks:
+            if not rank.wait(max(0.0, deadline - time.monotonic())):
+                rank.signal(signal.SIGKILL)
 
     def leftover_groups(self) -> list[int]:
         if self.fallback is not None:

@@ -228,7 +228,21 @@ def gang_problem(job: QueuedJob) -> str | None:
                                   or job.nodes * job.workers_per_node != job.workers):
         return (f"nodes × workers_per_node = {job.nodes} × {job.workers_per_node} does not equal "
                 f"workers={job.workers}")
+    if job.min_workers is not None:
+        problem = elastic_problem(job)
+        if problem is not None:
+            return problem
     return roles_problem(job) if job.roles else None
+
+
+def elastic_problem(job: QueuedJob) -> str | None:
+    """The part of ``job_problem`` about an elastic job's ``min_workers``."""
+    if not 1 <= job.min_workers <= job.workers:
+        return f"min_workers={job.min_workers}; an elastic job's min_workers lies in [1, workers={job.workers}]"
+    if job.workers_per_node is not None or job.roles:
+        return (f"min_workers={job.min_workers} with {'workers_per_node' if job.workers_per_node else 'roles'}; "
+                f"an elastic job is a spread gang of workers only: give min_workers=None")
+    return None
 
 
 def roles_problem(job: QueuedJob) -> str | None:

@@ -28,6 +28,13 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
   reservations, estimates and preemption count the sum of all roles, and a running
   ``Allocation``'s roles hold resources like its workers. A job whose workers fit now but not
   its roles next to them waits with ``gang``, naming the role.
+- Elastic jobs (``min_workers``; ``shrink``): a queued one that does not fit whole starts now
+  with as many workers as fit, down to ``min_workers`` (in the free resources, or what the
+  reservation leaves, as any job); a blocked job first tries to make room by shrinking running
+  lower-priority elastic jobs (``Decisions.shrinks``; it waits, reason ``resources`` naming
+  them, until their workers have left) and preempts whole only when that is not enough. An
+  elastic job that must wait, preempt or be reserved for asks for its ``min_workers``. A job
+  shrunk in a cycle is not also preempted in it. Elastic jobs take none of the shortcuts below.
 
 Cost (a cycle over 10,000 queued jobs must stay well under 100 ms): jobs of one kind (shape,
 gang form, labels) share what can be computed once; a gang size that did not fit is not tried
@@ -41,6 +48,7 @@ roles take none of the shortcuts that assume a gang's fit only shrinks with the 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -53,7 +61,8 @@ from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
 from torchrelay.scheduler.placement import Choice, feasible, nodes_of, on_cpu, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
-from torchrelay.scheduler.types import Allocation, Decisions, Placement, QueuedJob, SchedulerInput
+from torchrelay.scheduler.shrink import ShrinkPool
+from torchrelay.scheduler.types import Allocation, Decisions, Placement, QueuedJob, SchedulerInput, Shrink
 from torchrelay.spec import format_memory
 
 
@@ -184,6 +193,9 @@ class _Cycle:
         self._long_rows: tuple[int, Reservation, dict[int, list[float]]] | None = None
         self.victims = VictimPool(list(self.holdings.values()), len(cluster))
         self.lowest_victim_priority = self.victims.lowest_priority  # fixed for the cycle
+        self.shrinkable = ShrinkPool(cluster, allocs)
+        self.shrunk: set[str] = set()  # jobs shrunk in this cycle (out of the victim pool)
+        self.shrinks: list[Shrink] = []
         self.memo = _FitMemo()
         self.kinds: dict[tuple, _Kind] = {}
         self.families: dict[tuple, int] = {}
@@ -326,10 +338,12 @@ class _Cycle:
                 self.waiting[job.job_id] = reason
         estimates = self.estimates()
         return Decisions(placements=tuple(self.placements), preemptions=tuple(self.preemptions),
-                         waiting=self.waiting, estimated_start=estimates, order=tuple(self.order))
+                         shrinks=tuple(self.shrinks), waiting=self.waiting, estimated_start=estimates,
+                         order=tuple(self.order))
 
     def consider(self, job: QueuedJob) -> str | None:
-        """Place, grant (by preemption), reserve or explain ``job``; returns its waiting reason."""
+        """Place, grant (by shrinking or preemption), reserve or explain ``job``; returns its
+        waiting reason."""
         runtime = job.max_runtime_s
         reservation = self.reservation
         # inline ``reservation.allows_short``: this runs for every queued job
@@ -337,12 +351,14 @@ class _Cycle:
                  and self.now + runtime <= reservation.start)
         lowest = self.lowest_victim_priority
         may_preempt = lowest is not None and job.priority > lowest
+        elastic = job.min_workers is not None and job.min_workers < job.workers
         # Most of a long queue meets a reason that holds for the rest of the cycle ("priority",
         # "resources"): jobs alike in all that reason depends on get it in one lookup.
         quota_free = job.user not in self.quotas
+        shortcuts = quota_free and not elastic
         kind_key = _kind_key(job)
         alike = (kind_key, short, job.priority if may_preempt else None)
-        if quota_free and (runtime is None or runtime > 0):
+        if shortcuts and (runtime is None or runtime > 0):
             settled = self.settled.get(alike)
             if settled is not None:
                 self.tiers_of[job.job_id] = settled[1]
@@ -351,12 +367,10 @@ class _Cycle:
         problem = kind.problem or (runtime_problem(job) if runtime is not None and not runtime > 0 else None)
         if problem is not None:
             return f"unschedulable: {problem}"
-        if not kind.ever:
-            if job.roles and self.empty_index.fits(kind.tiers, without_roles(job)):
-                return (f"unschedulable: {job.workers} workers of {kind.description} fit this cluster when it "
-                        f"is empty, but not together with {kind.roles_description}")
-            return (f"unschedulable: {job.workers} workers of {kind.description} do not fit this cluster "
-                    f"even when it is empty")
+        # what an elastic job waits, preempts and is reserved for: its smallest form
+        target = dataclasses.replace(job, workers=job.min_workers) if elastic else job
+        if not kind.ever and not (elastic and self.fits_ever(target, kind.tiers, target.workers)):
+            return self.never_fits(job, kind)
         if not quota_free:
             tiers, over = self.within_quota(job, kind)
             if not tiers:
@@ -367,48 +381,126 @@ class _Cycle:
         self.tiers_of[job.job_id] = tiers
         size = kind.size
         outcome_key = (signature, size, short, job.priority if may_preempt else None)
-        if reservation is not None:
+        if reservation is not None and not elastic:
             # Once the cluster is full most jobs meet a state seen before: reuse that outcome.
             seen = self.outcomes.get(outcome_key)
             if seen is not None and (seen[0] == self.version or seen[0] == _FOR_GOOD):
                 if seen[0] == _FOR_GOOD and quota_free:
                     self.settled[alike] = (seen[1], tiers)
                 return seen[1]
-        if reservation is None or short:
-            choice = self.try_place(job, tiers, (signature, "free"), size, False)
-        else:
-            choice = self.try_place(job, tiers, (signature, "long"), size, True)
-        if choice is not None:
-            self.commit(job, choice, limits_extra=not short)
-            self.placements.append(self.to_placement(job, choice))
+        if self.place_now(job, tiers, signature, size, long=not (reservation is None or short), short=short):
             return None
         if may_preempt:
-            granted = self.preempt_for(job, tiers, (signature, "preempt", job.priority), size)
+            granted = (self.shrink_for(target, tiers)
+                       or self.preempt_for(target, tiers, (signature, "preempt", job.priority), target.workers))
             if granted is not None:
                 return granted
         if reservation is None:
-            self.reservation = reserve(self.cluster, tiers, job, self.free, list(self.holdings.values()),
+            self.reservation = reserve(self.cluster, tiers, target, self.free, list(self.holdings.values()),
                                        self.now, self.ready)
-            base = self.explain(job, kind, tiers, signature)
+            base = self.explain(target, kind, tiers, signature)
             if self.reservation is None:
                 return f"{base}; and the nodes it needs are not ready"
             if self.reservation.start is None:
                 return f"{base}; first in line: its nodes are kept for it as running jobs end"
             return f"{base}; first in line, reserved to start at {self.reservation.start:g}"
-        if self.fits(job, tiers, (signature, "free"), size):
+        if self.fits(target, tiers, (signature, "free"), target.workers if elastic else size):
             when = "" if reservation.start is None else f", reserved to start at {reservation.start:g}"
             reason = f"reservation: starting now would delay job {reservation.job_id}{when}"
         else:
-            reason = self.explain(job, kind, tiers, signature)
+            reason = self.explain(target, kind, tiers, signature)
         # Resources only shrink within a cycle, so "priority" (it fitted at the start, not now)
         # and "resources" (not even one worker fits) stay true; the others may change.
         # (For a job with roles only "resources" does: it says not even one worker fits.)
         lasting = reason.startswith(("priority", "resources") if not job.roles else "resources")
-        self.outcomes[outcome_key] = (_FOR_GOOD if lasting else self.version, reason)
-        if lasting and quota_free:
+        if not elastic:
+            self.outcomes[outcome_key] = (_FOR_GOOD if lasting else self.version, reason)
+        if lasting and shortcuts:
             self.settled[alike] = (reason, tiers)
         return reason
 
+    def never_fits(self, job: QueuedJob, kind: _Kind) -> str:
+        """The reason of a job that the empty cluster could not hold."""
+        if job.roles and self.empty_index.fits(kind.tiers, without_roles(job)):
+            return (f"unschedulable: {job.workers} workers of {kind.description} fit this cluster when it "
+                    f"is empty, but not together with {kind.roles_description}")
+        at_least = f" (elastic: at least {job.min_workers})" if job.min_workers is not None else ""
+        return (f"unschedulable: {job.workers} workers{at_least} of {kind.description} do not fit this cluster "
+                f"even when it is empty")
+
+    def place_now(self, job: QueuedJob, tiers: Tiers, signature: tuple, size: int, *, long: bool,
+                  short: bool) -> bool:
+        """Place ``job`` in the free resources (``long``: in what the reservation leaves), an
+        elastic one with as many workers as fit; whether it was placed."""
+        key = (signature, "long" if long else "free")
+        placed, choice = job, self.try_place(job, tiers, key, size, long)
+        if choice is None and job.min_workers is not None and job.min_workers < job.workers:
+            placed, choice = self.try_smaller(job, tiers, key, long)
+        if choice is None:
+            return False
+        self.commit(placed, choice, limits_extra=not short)
+        self.placements.append(self.to_placement(placed, choice))
+        return True
+
+    def try_smaller(self, job: QueuedJob, tiers: Tiers, key: tuple, long: bool) -> tuple[QueuedJob, Choice | None]:
+        """The elastic ``job`` with the most workers (fewer than asked, at least ``min_workers``)
+        that fit, and its placement; fit is monotone in the gang size, so found by bisection."""
+        override = self.long_rows() if long else None
+
+        def fits(workers: int) -> bool:
+            return (not self.memo.known_fail(key, workers)
+                    and self.free_index.fits(tiers, dataclasses.replace(job, workers=workers), override))
+
+        low, high = job.min_workers, job.workers - 1
+        if not fits(low):
+            self.memo.record_fail(key, low)
+            return job, None
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        smaller = dataclasses.replace(job, workers=low)
+        return smaller, self.try_place(smaller, tiers, key, low, long)
+
+    def shrink_for(self, job: QueuedJob, tiers: Tiers) -> str | None:
+        """Make room for ``job`` by taking workers back from lower-priority elastic jobs
+        (``shrink``); its waiting reason, or None when that is not enough."""
+        allowed = self.ready.copy()
+        if self.reservation is not None:
+            allowed[nodes_of(self.reservation.choice)] = False
+        found = self.shrinkable.choose(self.cluster, tiers, job, self.free, allowed)
+        if found is None:
+            return None
+        release, choice = found
+        ids = self.cluster.ids
+        released = np.zeros_like(self.free)
+        for job_id, per_node in sorted(release.items()):
+            for node, held in self.shrinkable.take(job_id, per_node).items():
+                released[node] += held
+            if job_id not in self.shrunk:  # it goes on smaller: not also preempted in this cycle
+                self.shrunk.add(job_id)
+                self.victims.remove(self.holdings[job_id])
+            self.shrinks.append(Shrink(job_id, tuple((ids[n], k) for n, k in sorted(per_node.items(),
+                                                                                    key=lambda p: ids[p[0]])),
+                                       job.job_id))
+        self.grant(job, choice, released)
+        names = ", ".join(f"{s.job_id} ({s.workers} worker{'s' if s.workers > 1 else ''})"
+                          for s in self.shrinks if s.for_job == job.job_id)
+        return f"resources: shrinking lower-priority elastic job(s) {names}; starts once their workers have left"
+
+    def grant(self, job: QueuedJob, choice: Choice, released: np.ndarray) -> None:
+        """Keep ``choice`` for ``job``, which starts in a later cycle once what others give back
+        (``released``, still in use meanwhile) is free: what they free beyond the job's share is
+        not handed out in this cycle either (which also keeps ``free`` shrinking, as the memo
+        assumes)."""
+        nodes, use = use_of(choice, self.cluster)
+        after = self.free + released
+        np.subtract.at(after, nodes, use)
+        np.minimum(self.free, after, out=self.free)
+        self.free_index.touch(nodes)
+        self.commit(job, choice, limits_extra=False, consume=False)
     def explain(self, job: QueuedJob, kind: _Kind, tiers: Tiers, signature: tuple) -> str:
         """Why a job that does not fit the free resources waits: priority, gang or resources."""
         if kind.initially is None:
@@ -444,18 +536,12 @@ class _Cycle:
             np.add.at(released, victim.nodes, victim.use)
             self.victims.remove(victim)
             del self.holdings[victim.job_id]
+            self.shrinkable.drop(victim.job_id)
             # no refund: the victim runs (and counts against its user's quota) until it stops
             if not victim.preempting:
                 self.preemptions.append(victim.job_id)
-        # The job starts in a later cycle, once the victims have stopped; their resources are
-        # still in use meanwhile, so what they free beyond the job's share is not handed out in
-        # this cycle either (which also keeps ``free`` shrinking, as the memo assumes).
-        nodes, use = use_of(choice, self.cluster)
-        after = self.free + released
-        np.subtract.at(after, nodes, use)
-        np.minimum(self.free, after, out=self.free)
-        self.free_index.touch(nodes)
-        self.commit(job, choice, limits_extra=False, consume=False)
+        # The job starts in a later cycle, once the victims have stopped.
+        self.grant(job, choice, released)
         names = ", ".join(v.job_id for v in victims)
         return f"resources: preempting lower-priority job(s) {names}; starts once they have stopped"
 
@@ -478,7 +564,7 @@ class _Cycle:
             job_id = job.job_id
             reason = self.waiting.get(job_id, "")
             if reason.startswith(("resources", "gang", "priority", "reservation")) \
-                    and "preempting" not in reason and job_id in self.tiers_of:
+                    and "preempting" not in reason and "shrinking" not in reason and job_id in self.tiers_of:
                 waiting.append((job, self.tiers_of[job_id]))
                 if len(waiting) >= limit:
                     break
@@ -491,7 +577,7 @@ def _kind_key(job: QueuedJob) -> tuple:
     dataclass, as hashing and comparing that is a large part of a queued job's cost."""
     shape = job.shape
     return (shape.cpu, shape.gpu, shape.memory, shape.gpu_type, shape.accelerator, job.workers,
-            job.workers_per_node, job.nodes, job.labels, job.roles)
+            job.workers_per_node, job.nodes, job.labels, job.roles, job.min_workers)
 
 
 def _per_node(nodes: np.ndarray, use: np.ndarray, count: int) -> np.ndarray:
@@ -566,9 +652,12 @@ def schedule(inp: SchedulerInput) -> Decisions:
 
 
 def fits_ever(job: QueuedJob, nodes: tuple) -> bool:
-    """Whether ``job`` could be placed on ``nodes`` were they all empty and ready."""
+    """Whether ``job`` could be placed on ``nodes`` were they all empty and ready (an elastic
+    job: with its ``min_workers``)."""
     if job_problem(job) is not None:
         return False
+    if job.min_workers is not None:  # an elastic job runs with its min_workers at least
+        job = dataclasses.replace(job, workers=job.min_workers)
     cycle_cluster = Cluster(tuple(nodes))
     everywhere = np.ones(len(cycle_cluster), dtype=bool)
     return feasible(cycle_cluster, alternatives(job, cycle_cluster), job, cycle_cluster.total, everywhere)

@@ -16,6 +16,12 @@ taking ``gpu`` GPUs, a GPU rank) and on nodes without GPUs (taking none, a CPU r
 gang. Its granted ``shape`` is the GPU one; ``Placement.on_cpu`` / ``Allocation.on_cpu`` name
 the nodes of ``placement`` whose workers take no GPU, and ``shape_on(shape, on_cpu)`` is the
 shape a worker there is granted. ``parts()`` lists (shape, placement) per kind of process.
+
+Elastic jobs (``QueuedJob.min_workers`` / ``Allocation.min_workers``, a spread gang without
+roles): a job may start with fewer workers than ``workers``, down to ``min_workers``, and a
+running one may be shrunk down to ``min_workers`` to make room for a higher-priority job
+(``Decisions.shrinks``) instead of being preempted whole. A running elastic job's first
+placement entry is its node 0 (it hosts the job's store), which keeps at least one worker.
 """
 from __future__ import annotations
 
@@ -90,6 +96,9 @@ class Allocation:
     roles: tuple[RolePlacement, ...] = ()
     # nodes of ``placement`` whose workers take no GPU (mixed devices; see the module docstring)
     on_cpu: tuple[str, ...] = ()
+    # elastic: it may be shrunk down to this many workers (``placement`` holds the workers it
+    # runs now, its node 0 first); None: it runs whole or not at all
+    min_workers: int | None = None
 
     def parts(self) -> tuple[tuple[WorkerShape, tuple[tuple[str, int], ...]], ...]:
         return split_parts(self.shape, self.placement, self.on_cpu, self.roles)
@@ -111,6 +120,9 @@ class QueuedJob:
     # (name, processes, shape) of each role besides the workers; names unique, not "workers";
     # a role's shape may not use accelerator "prefer" (its demand must be known before placing)
     roles: tuple[tuple[str, int, WorkerShape], ...] = ()
+    # elastic: it may start with fewer than ``workers`` workers, down to this many (a spread
+    # gang without roles: not with ``workers_per_node``); None: all of them or none
+    min_workers: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +162,26 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class Shrink:
+    """Release ``release`` ((node_id, workers), ...) of the running elastic job ``job_id`` so
+    that ``for_job`` can start (in a later cycle, once they have left); the job goes on with
+    the rest of its workers."""
+
+    job_id: str
+    release: tuple[tuple[str, int], ...]
+    for_job: str
+
+    @property
+    def workers(self) -> int:
+        return sum(count for _, count in self.release)
+
+
+@dataclass(frozen=True, slots=True)
 class Decisions:
     placements: tuple[Placement, ...] = ()
     preemptions: tuple[str, ...] = ()
+    # running elastic jobs to shrink instead of preempting them whole (see ``Shrink``)
+    shrinks: tuple[Shrink, ...] = ()
     # job_id -> reason: one of "resources", "gang", "quota", "priority", "reservation",
     # "unschedulable" (can never fit this cluster), optionally with detail after ": "
     waiting: dict[str, str] = field(default_factory=dict)

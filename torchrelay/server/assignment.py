@@ -6,6 +6,9 @@
 - ``WorkerEnvironment``: the ``RELAY_*`` variables a launch's workers get, as typed fields
   (what the spec asks, the rank layout, the accelerators granted) rendered by ``variables``.
 - ``launch_assignment(...)``: the ``wire.LaunchAssignment`` of one launch in a heartbeat reply.
+- Elastic jobs: ``placed_layout`` is the layout of a job the policy started with fewer workers
+  than its spec asks (its world is what was placed: the elastic group handles membership);
+  ``ranks_to_release`` which ranks of a launch leave when the policy shrinks the job.
 
 GPU *counts* are granted here; which device indices a launch uses is the agent's choice on its
 node (``torchrelay.agent.gpus``). No I/O: ``rows.py`` reads the rows these take.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from torchrelay import scheduler as policy
 from torchrelay.layout import RankLayout
@@ -61,6 +64,30 @@ def plan_launches(job_id: str, attempt: int, placement: policy.Placement, layout
                                 nnodes=len(where), nproc=nproc, rank_offset=offset, world_size=world, shape=shape))
         offset += nproc
     return tuple(plans)
+
+
+def placed_layout(layout: RankLayout, placement: policy.Placement, min_workers: int | None) -> RankLayout:
+    """The rank layout ``placement`` runs: ``layout`` itself, or for an elastic job (``min_workers``)
+    placed with fewer workers, that many workers. Raises ``ValueError`` below ``min_workers``."""
+    workers = sum(nproc for _, nproc in placement.placement)
+    if workers == layout.workers or min_workers is None:
+        return layout
+    if not min_workers <= workers <= layout.workers:
+        raise ValueError(f"job {placement.job_id}: placed with {workers} workers, outside its elastic range "
+                         f"[{min_workers}, {layout.workers}]")
+    return dataclasses.replace(layout, workers=workers)
+
+
+def ranks_to_release(*, rank_offset: int, nproc: int, released: Sequence[int] | None, count: int) -> list[int]:
+    """The ``count`` ranks of a launch (ranks ``rank_offset .. rank_offset + nproc - 1``) that
+    leave in a shrink: the highest not released yet (so node 0's first rank is the last to go).
+    Raises ``ValueError`` when fewer than ``count`` are left."""
+    gone = set(released or ())
+    left = [rank for rank in range(rank_offset + nproc - 1, rank_offset - 1, -1) if rank not in gone]
+    if count > len(left):
+        raise ValueError(f"cannot release {count} ranks of ranks {rank_offset}..{rank_offset + nproc - 1}: "
+                         f"only {len(left)} are left")
+    return sorted(left[:count])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +165,7 @@ class AssignedLaunch(Protocol):
     bundle: str | None
     cpu: float
     memory: int
+    # and optionally ``released``: an elastic launch's ranks asked to leave (a shrink)
 
 
 def mpi_world(plans: tuple[LaunchPlan, ...]) -> dict:
@@ -172,4 +200,5 @@ def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], e
         entrypoint=argv, bundle=launch.bundle, env=env, store_url=store_url, store_options=dict(store_options or {}),
         job_store_prefix=ArtifactStore.job_prefix(job_id), cpu=launch.cpu, memory=launch.memory,
         launcher=launcher,  # type: ignore[arg-type]
+        released_ranks=list(getattr(launch, "released", None) or ()),  # (a Slurm attempt's launch has none)
         mpi=MpiWorld.model_validate(world) if launcher == "mpirun" and world is not None else None)

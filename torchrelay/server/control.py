@@ -2,7 +2,8 @@
 
 ``Control.tick()`` is the loop's one step (tests call it directly), one transaction: at most
 every ``check_interval_s`` the watchdogs (lost nodes, hung jobs, runtime overruns), then one
-scheduling cycle that places queued jobs, preempts and records why the others wait.
+scheduling cycle that places queued jobs, preempts, shrinks elastic jobs (their chosen ranks
+told to leave, an event saying why) and records why the others wait.
 ``run()`` steps it in a background thread whenever something changes (``kick``), and at least
 every ``tick_s``. The other methods carry out what requests cause (a launch's status, a
 cancel) inside the caller's unit of work (``rows.Database.write``); each takes the server time
@@ -20,7 +21,7 @@ from typing import Any, Callable
 from torchrelay import scheduler as policy
 from torchrelay.errors import StaleAttempt, StorageError
 from torchrelay.server import lifecycle, scheduling, watchdogs
-from torchrelay.server.assignment import mpi_world, plan_launches
+from torchrelay.server.assignment import mpi_world, placed_layout, plan_launches, ranks_to_release
 from torchrelay.server.executors import agents_only, is_agents_job
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.rows import Database, JobBrief, JobFacts, Rows
@@ -207,7 +208,8 @@ class Control:
                 running.append(scheduling.allocation(
                     seq=brief.seq, spec=facts.spec, live=live,
                     started_at=brief.placed_at if brief.placed_at is not None else brief.submitted_at,
-                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value))
+                    preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value,
+                    running=brief.state == JobState.RUNNING.value))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(facts.queued)
                 waiting[facts.queued.job_id] = (brief, facts)
@@ -234,18 +236,46 @@ class Control:
             if stop is not None:
                 vrow.requeue = True
                 rows.stop_launches(vrow, stop)
+        for shrink in decisions.shrinks:
+            self.shrink(rows, shrink, now)
         reasons = ((waiting[job_id], scheduling.waiting_reason(reason, waiting[job_id][1].spec))
                    for job_id, reason in decisions.waiting.items() if job_id in waiting)
         rows.set_waiting_reasons((brief.seq, reason) for (brief, _), reason in reasons
                                  if brief.waiting_reason != reason)
         del loaded
 
+    @staticmethod
+    def shrink(rows: Rows, shrink: policy.Shrink, now: float) -> None:
+        """Carry out a ``Shrink``: on each node it names, the job's highest ranks there not
+        released yet are told to leave (their agent SIGTERMs those ranks only; the elastic
+        group goes on without them); an event says which and for whom. Nothing for a job that
+        is no longer running (it ended, or is being stopped anyway)."""
+        row = rows.job(shrink.job_id)
+        if JobState(row.state) != JobState.RUNNING or row.requeue:
+            return
+        launches = rows.live_launches(row)
+        by_node = {x.node_id: x for x in launches if x.desired == "run"}
+        before = sum(scheduling.held_workers(x) for x in launches)
+        ranks: list[int] = []
+        for node_id, count in shrink.release:
+            launch = by_node.get(node_id)
+            if launch is None:
+                continue
+            chosen = ranks_to_release(rank_offset=launch.rank_offset, nproc=launch.nproc, released=launch.released,
+                                      count=count)
+            rows.release_ranks(launch, chosen)
+            ranks += chosen
+        if ranks:
+            rows.add_event(row, scheduling.shrink_event(shrink, ranks, before, rows.nodes().names), now)
+
     def place(self, rows: Rows, row: Any, facts: JobFacts, placement: policy.Placement, now: float) -> None:
-        """Start the job's next attempt where the policy placed it: one launch per role and node."""
+        """Start the job's next attempt where the policy placed it: one launch per role and node
+        (an elastic job placed with fewer workers than it asks: a world of those placed)."""
         attempt = self.begin_attempt(row)
         nodes = rows.nodes()
         where = scheduling.placement_summary(placement, facts.spec, nodes.names, nodes.gpu_types)
-        plans = plan_launches(row.id, attempt, placement, facts.environment.layout)
+        layout = placed_layout(facts.environment.layout, placement, scheduling.elastic_min(facts.spec))
+        plans = plan_launches(row.id, attempt, placement, layout)
         self.record_placement(rows, row, plans, f"placed on {where}", now,
                               mpi=mpi_world(plans) if facts.spec.launcher == "mpirun" else None)
 

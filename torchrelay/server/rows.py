@@ -44,11 +44,11 @@ _EXITED = LaunchState.EXITED.value
 # the launch columns a heartbeat reply is built from (read as plain rows, no ORM objects)
 _ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
     "id", "job_seq", "attempt", "node_id", "node_rank", "nnodes", "nproc", "rank_offset", "world_size", "gpu",
-    "cpu", "memory", "desired", "stop_reason", "state", "master_port", "stop_grace_s", "mpi"))
+    "cpu", "memory", "desired", "stop_reason", "state", "master_port", "stop_grace_s", "mpi", "released"))
 _BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.submitted_at, JobRow.attempt,
                   JobRow.requeue, JobRow.waiting_reason, JobRow.placed_at)
 _LIVE_COLUMNS = (LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc, LaunchRow.cpu,
-                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset)
+                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset, LaunchRow.released)
 _CHUNK = 500  # ids per IN (...): well inside every database's limit on bound parameters
 
 
@@ -274,6 +274,11 @@ class Rows:
             if launch.desired != "stop":
                 launch.desired, launch.stop_reason, launch.stop_kind = "stop", stop.reason, stop.kind.value
                 self.outbox.keys.add(f"node:{launch.node_id}")
+
+    def release_ranks(self, launch: LaunchRow, ranks: Sequence[int]) -> None:
+        """Tell the agent of a live elastic launch that ``ranks`` (global) are to leave (a shrink)."""
+        launch.released = sorted({*(launch.released or ()), *ranks})
+        self.outbox.keys.add(f"node:{launch.node_id}")
 
     def advance_launch(self, launch: LaunchRow, target: LaunchState) -> None:
         """Record the launch in ``target``. Raises Conflict when the table refuses the change."""

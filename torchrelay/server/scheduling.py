@@ -8,6 +8,8 @@
 - ``queue_rows(...)``: ``relay queue``'s rows from one cycle's decisions;
 - ``job_labels``, ``submission_probe``, ``waiting_reason``: an mpirun job needs nodes with Open
   MPI (``wire.MPIRUN_LABEL``), is taken where none is yet, and waits saying so.
+- ``elastic_min(spec)``: the ``min_workers`` the policy may start or shrink an elastic job to
+  (``strategy.elastic``; a spread gang only); ``shrink_event(...)``: the event a shrink records.
 
 No I/O: ``rows.py`` reads what these take and ``control.py`` carries out the decisions.
 """
@@ -69,6 +71,23 @@ def waiting_reason(reason: str, spec: JobSpec) -> str:
     return reason
 
 
+def elastic_min(spec: JobSpec) -> int | None:
+    """``strategy.elastic.min_workers`` of a job the policy may run with fewer workers than
+    ``workers`` (start it smaller, shrink it); None for any other job. A job placed as
+    ``nodes`` × ``workers_per_node``, or with roles, runs whole."""
+    elastic = getattr(spec.strategy, "elastic", None)
+    if elastic is None or spec.nodes is not None or job_roles(spec):
+        return None
+    return min(elastic.min_workers, spec.workers)
+
+
+def shrink_event(shrink: policy.Shrink, ranks: Sequence[int], workers_before: int, names: Mapping[str, str]) -> str:
+    """What a shrink records on the shrunk job: which ranks leave, where, and for which job."""
+    where = ", ".join(f"{names.get(n, n)}×{k}" for n, k in shrink.release)
+    return (f"shrinking for higher-priority job {shrink.for_job}: rank(s) {', '.join(map(str, ranks))} leave "
+            f"({where}); elastic: {workers_before} → {workers_before - len(ranks)} workers")
+
+
 def queued_job(seq: int, spec: JobSpec) -> policy.QueuedJob:
     """What the policy is told of a waiting job: it never changes while the job waits."""
     return policy.QueuedJob(
@@ -76,7 +95,7 @@ def queued_job(seq: int, spec: JobSpec) -> policy.QueuedJob:
         workers=spec.workers, shape=worker_shape(spec.resources),
         workers_per_node=spec.workers_per_node if spec.nodes else None, nodes=spec.nodes,
         labels=job_labels(spec), preemptible=spec.preemptible,
-        max_runtime_s=spec.max_runtime_s, roles=job_roles(spec))
+        max_runtime_s=spec.max_runtime_s, roles=job_roles(spec), min_workers=elastic_min(spec))
 
 
 class LiveLaunch(Protocol):
@@ -89,6 +108,12 @@ class LiveLaunch(Protocol):
     cpu: float
     gpu: int
     memory: int
+    # and optionally ``released``: the ranks of an elastic launch asked to leave (a shrink)
+
+
+def held_workers(launch: LiveLaunch) -> int:
+    """The workers ``launch`` holds: its processes less those asked to leave (a shrink)."""
+    return launch.nproc - len(getattr(launch, "released", None) or ())
 
 
 def _granted(launch: LiveLaunch, gpu_type: str | None) -> policy.WorkerShape:
@@ -98,10 +123,13 @@ def _granted(launch: LiveLaunch, gpu_type: str | None) -> policy.WorkerShape:
 
 
 def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_at: float,
-               preempting: bool) -> policy.Allocation:
-    """A job holding nodes (``live``: its current attempt's launches, not empty). A
-    parameter-server job's server launches are those whose ranks the layout gives its servers."""
-    layout = RankLayout.of_spec(spec)
+               preempting: bool, running: bool = True) -> policy.Allocation:
+    """A job holding nodes (``live``: its current attempt's launches, not empty, in node rank
+    order). A parameter-server job's server launches are those whose ranks the layout gives its
+    servers. An elastic job's workers asked to leave (a shrink) are given back at once: each
+    has the job's ``stop_grace_s`` to go (SIGKILL then), and its node 0 keeps a worker. Only a
+    ``running`` job (a launch of it reported running) may be shrunk."""
+    layout = RankLayout.of_spec(spec)  # an elastic job started smaller has no ranks past its workers either
     workers = [x for x in live if not layout.is_server(x.rank_offset)]
     servers = [x for x in live if layout.is_server(x.rank_offset)]
     roles: tuple = ()
@@ -114,8 +142,10 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
         shape, on_cpu = _mixed(spec.resources, workers)
     return policy.Allocation(
         job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, shape=shape, on_cpu=on_cpu,
-        placement=tuple((x.node_id, x.nproc) for x in workers), preemptible=spec.preemptible,
-        started_at=started_at, max_runtime_s=spec.max_runtime_s, preempting=preempting, roles=roles)
+        placement=tuple((x.node_id, held_workers(x)) for i, x in enumerate(workers) if i == 0 or held_workers(x)),
+        preemptible=spec.preemptible, started_at=started_at, max_runtime_s=spec.max_runtime_s,
+        preempting=preempting, roles=roles, min_workers=elastic_min(spec) if running else None)
+
 
 
 def _mixed(res: Resources, workers: Sequence[LiveLaunch]) -> tuple[policy.WorkerShape, tuple[str, ...]]:
@@ -140,6 +170,9 @@ def placement_summary(placement: policy.Placement, spec: JobSpec, names: Mapping
         text += "; CPU ranks on " + ", ".join(names[n] for n in placement.on_cpu)
     for role, _, where in placement.roles:
         text += f"; {role}s on " + ", ".join(f"{names[n]}×{k}" for n, k in where)
+    placed = sum(k for _, k in placement.placement)
+    if placed < spec.workers:
+        text += f" (elastic: {placed} of {spec.workers} workers, all the cluster had room for)"
     return text
 
 

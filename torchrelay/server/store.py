@@ -124,6 +124,8 @@ class LaunchRow(Base):
     external_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # node 0 of an mpirun job: its MPI world (``wire.MpiWorld``: slots, and the daemons handed over)
     mpi: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # an elastic launch: the global ranks the server asked to leave (a shrink), None when none
+    released: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
 
     __table_args__ = (Index("ix_launch_node_state", "node_id", "state"),)
 
