@@ -124,23 +124,17 @@ class ElasticRange(_Strict):
         return self
 
 
-class DDPStrategy(_Balanced):
-    """Gradients all-reduced every step (DistributedDataParallel); with ``elastic``, by
-    ``torchrelay.train.elastic`` over membership epochs."""
-
-    kind: Literal["ddp"] = "ddp"
-    elastic: ElasticRange | None = None
-
-
-class _ElasticPeriodic(_Balanced):
-    """local_sgd and diloco with ``elastic``: survivors redo the period since the last sync point,
-    joiners enter at a sync point (``torchrelay.train.elastic_sync``, docs/elastic.md). The
-    members' shares are equal there: ``balance: throughput`` does not go with ``elastic``."""
+class _Elastic(_Balanced):
+    """A data-parallel kind that takes ``elastic``: ddp (``torchrelay.train.elastic``, membership
+    epochs), local_sgd and diloco (survivors redo the period since the last sync point, joiners
+    enter at a sync point: ``torchrelay.train.elastic_sync``); docs/elastic.md. An elastic job
+    splits each step's batch equally among the members of the moment, so ``balance: throughput``
+    does not go with ``elastic``."""
 
     elastic: ElasticRange | None = None
 
     @model_validator(mode="after")
-    def _elastic_unbalanced(self) -> "_ElasticPeriodic":
+    def _elastic_unbalanced(self) -> "_Elastic":
         if self.elastic is not None and self.balance != "none":
             raise ValueError(f"balance={self.balance!r} does not go with elastic: an elastic job splits each "
                              "step's global batch equally among the members of the moment; drop balance "
@@ -148,7 +142,14 @@ class _ElasticPeriodic(_Balanced):
         return self
 
 
-class LocalSGDStrategy(_ElasticPeriodic):
+class DDPStrategy(_Elastic):
+    """Gradients all-reduced every step (DistributedDataParallel); with ``elastic``, by
+    ``torchrelay.train.elastic`` over membership epochs."""
+
+    kind: Literal["ddp"] = "ddp"
+
+
+class LocalSGDStrategy(_Elastic):
     """Each replica steps alone; parameters averaged every ``every`` steps."""
 
     kind: Literal["local_sgd"]
@@ -156,7 +157,7 @@ class LocalSGDStrategy(_ElasticPeriodic):
     warmup_steps: int = Field(default=0, ge=0)
 
 
-class DiLoCoStrategy(_ElasticPeriodic):
+class DiLoCoStrategy(_Elastic):
     """Inner optimizer for ``every`` steps, then the averaged delta through outer Nesterov."""
 
     kind: Literal["diloco"]

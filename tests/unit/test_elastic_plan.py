@@ -106,6 +106,8 @@ def test_keeps_own_state(own, source, keeps):
     ({"kind": "local_sgd", "balance": "throughput"},
      "balance='throughput' does not go with elastic: an elastic job splits each step's global batch equally"),
     ({"kind": "diloco", "balance": "throughput"}, "balance='throughput' does not go with elastic"),
+    ({"kind": "ddp"}, None),
+    ({"kind": "ddp", "balance": "throughput"}, "balance='throughput' does not go with elastic"),
     ({"kind": "final_average"}, "elastic does not apply to strategy kind 'final_average': its replicas agree only "
                                 "at the end"),
     ({"kind": "fsdp"}, "elastic does not apply to strategy kind 'fsdp': each worker holds a shard"),
@@ -113,7 +115,7 @@ def test_keeps_own_state(own, source, keeps):
     ({"kind": "parameter_server"}, "elastic does not apply to strategy kind 'parameter_server'.*it applies to "
                                    "ddp, local_sgd, diloco"),
 ])
-def test_the_spec_takes_elastic_for_local_sgd_and_diloco_only(strategy, error):
+def test_the_spec_takes_elastic_for_ddp_local_sgd_and_diloco_only(strategy, error):
     data = {"entrypoint": "python train.py", "workers": 3,
             "strategy": {**strategy, "elastic": {"min_workers": 2, "max_workers": 4}}}
     if error is None:
