@@ -182,3 +182,26 @@ def test_a_checkpoint_commit_detail_and_message():
     assert checkpoint_detail(0, 3, "file:///c/step-0000000000") == {"step": 0, "attempt": 3,
                                                                     "url": "file:///c/step-0000000000"}
     assert checkpoint_message(8, 2, "s3://b/c") == "checkpoint of step 8 committed by attempt 2: s3://b/c"
+
+
+def test_a_checkpoint_commit_is_one_job_event_and_a_checkpoint_event_of_the_state_feed(tmp_path, db_url):
+    """The server's side on a real store (SQLite and PostgreSQL): recorded once however often it
+    is posted, listed with the job's events, read by the relay as a ``checkpoint`` event."""
+    from torchrelay.server.events.relay import read_job_events
+    from torchrelay.server.service import ClusterService
+
+    svc = ClusterService(db_url, str(tmp_path / "store"), heartbeat_timeout_s=10)
+    try:
+        job = svc.submit({"name": "t", "entrypoint": "python x.py", "workers": 1}, None, None)
+        url = "file:///s/jobs/job-1/checkpoints/step-0000000008"
+        assert svc.checkpoint_committed(job.id, 1, 8, url) is True
+        assert svc.checkpoint_committed(job.id, 1, 8, url) is False  # a retry whose reply was lost
+        with pytest.raises(InvalidSpec, match="step -1"):
+            svc.checkpoint_committed(job.id, 1, -1, url)
+        assert [e.message for e in svc.get_job(job.id).events] == [
+            "submitted", f"checkpoint of step 8 committed by attempt 1: {url}"]
+        events = read_job_events(svc.db.engine, 0)
+        assert [(e.kind, e.routing_key(), e.step, e.attempt, e.url) for e in events] == [
+            ("state", f"job.{job.id}.state", None, None, ""), ("checkpoint", f"job.{job.id}.checkpoint", 8, 1, url)]
+    finally:
+        svc.stop()
