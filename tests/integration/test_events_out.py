@@ -186,9 +186,12 @@ def test_a_committed_checkpoint_is_a_job_event_and_reaches_rabbitmq(rabbitmq, cl
             files = [f["path"] for f in client._get(f"/jobs/{info.id}/checkpoints")]
             assert "step-0000000002/MANIFEST.json" in files  # committed, where the event says
             assert [e.message for e in final.events if e.message.startswith("checkpoint of step")] == [event.message]
-        shown = subprocess.run([sys.executable, "-m", "torchrelay.client.cli.main", "status", info.id],
-                               capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "500"})
-        assert event.message in shown.stdout, shown.stdout + shown.stderr
+        from typer.testing import CliRunner
+
+        from torchrelay.client.cli.main import app
+
+        shown = CliRunner().invoke(app, ["status", info.id], env={"RELAY_ADDRESS": cluster.address, "COLUMNS": "500"})
+        assert shown.exit_code == 0 and event.message in shown.output, shown.output
     finally:
         consumer.close()
 
