@@ -34,6 +34,7 @@ Agents
          reported, otherwise waits up to ``Heartbeat.wait_s`` for a change.
   POST   /jobs/{id}/logs               LogBatch                      -> {"ok": true}
   POST   /jobs/{id}/metrics            MetricBatch                   -> {"ok": true}
+  POST   /jobs/{id}/checkpoints        CheckpointCommit (a worker's) -> {"ok": true, "added": bool}
   PUT    /jobs/{id}/artifacts/{path}   raw bytes                     -> ArtifactInfo
 
 The agent side is declarative: the heartbeat reply lists every launch the server wants on
@@ -372,3 +373,11 @@ class MetricRecord(_Model):
 class MetricBatch(_Model):
     launch_id: str
     records: list[MetricRecord]
+
+
+class CheckpointCommit(_Model):
+    """A checkpoint the job's workers committed (rank 0 posts it with its ``RELAY_TOKEN``; the
+    attempt is the token's). Posting one again is harmless (idempotent by job, attempt, step, url)."""
+
+    step: int
+    url: str = Field(description="where the checkpoint's folder lies, as the workers wrote it")

@@ -26,6 +26,7 @@ def test_bad_durations_name_the_value(text):
     ("GET", "/api/v1/jobs/{job_id}/artifacts/{path:path}", {"user", "worker"}),
     ("PUT", "/api/v1/jobs/{job_id}/artifacts/{path}", {"user", "worker"}),
     ("POST", "/api/v1/nodes/{node_id}/heartbeat", {"node"}),
+    ("POST", "/api/v1/jobs/{job_id}/checkpoints", {"worker"}),  # a job's own worker, its attempt's token
     ("POST", "/api/v1/jobs", {"user"}),
     ("DELETE", "/api/v1/jobs/{job_id}", {"admin"}),   # no rule: admins only
     ("GET", "/api/v1/something-new", {"admin"}),

@@ -66,6 +66,10 @@ def test_the_cursor_moves_only_past_confirmed_events_in_order(cursor, seqs, conf
      {"node": "gpu-07", "state": "LOST", "kind": "node"}),
     (Event(seq=9, time=0.0, kind="metrics", job_id="job-3", step=40, values={"loss": 0.5}), "job.job-3.metrics",
      {"job": "job-3", "step": 40, "values": {"loss": 0.5}, "kind": "metrics"}),
+    (Event(seq=11, time=0.0, kind="checkpoint", job_id="job-3", state="RUNNING", message="checkpoint of step 8 …",
+           step=8, attempt=2, url="s3://b/jobs/job-3/checkpoints/step-0000000008"), "job.job-3.checkpoint",
+     {"job": "job-3", "state": "RUNNING", "step": 8, "attempt": 2, "kind": "checkpoint",
+      "url": "s3://b/jobs/job-3/checkpoints/step-0000000008"}),
 ])
 def test_each_feed_has_its_routing_key_and_body(event, key, body_has):
     import json
@@ -143,3 +147,61 @@ def test_only_an_active_relay_publishes_and_it_resumes_from_the_stored_cursor(tm
         assert second.seen == [("node", 3)]
     finally:
         successor.stop()
+
+
+@pytest.mark.parametrize("kind, detail, expect", [
+    (None, None, ("state", None, None, "")),
+    ("checkpoint", {"step": 8, "attempt": 2, "url": "file:///s/step-0000000008"},
+     ("checkpoint", 8, 2, "file:///s/step-0000000008")),
+    ("checkpoint", None, ("state", None, None, "")),  # a row without its detail is shown as what it says
+])
+def test_a_job_event_row_is_a_state_or_a_checkpoint_event(kind, detail, expect):
+    from torchrelay.server.events.model import job_event
+
+    event = job_event(5, "job-2", 1.0, "RUNNING", "m", kind, detail)
+    assert (event.kind, event.step, event.attempt, event.url) == expect
+    assert (event.seq, event.job_id, event.state, event.message) == (5, "job-2", "RUNNING", "m")
+    assert event.routing_key() == f"job.job-2.{expect[0]}"
+
+
+@pytest.mark.parametrize("step, url, says", [
+    (-1, "file:///x", "step -1"), (True, "file:///x", "step True"), ("3", "file:///x", "step '3'"),
+    (3, "", "url ''"), (3, "a\nb", "url 'a\\nb'"), (3, "x" * 3000, "at most 2048"), (3, None, "url None"),
+])
+def test_a_bad_checkpoint_commit_is_refused_naming_the_value(step, url, says):
+    from torchrelay.server.events.model import checkpoint_detail
+
+    with pytest.raises(ValueError) as err:
+        checkpoint_detail(step, 1, url)
+    assert says in str(err.value)
+
+
+def test_a_checkpoint_commit_detail_and_message():
+    from torchrelay.server.events.model import checkpoint_detail, checkpoint_message
+
+    assert checkpoint_detail(0, 3, "file:///c/step-0000000000") == {"step": 0, "attempt": 3,
+                                                                    "url": "file:///c/step-0000000000"}
+    assert checkpoint_message(8, 2, "s3://b/c") == "checkpoint of step 8 committed by attempt 2: s3://b/c"
+
+
+def test_a_checkpoint_commit_is_one_job_event_and_a_checkpoint_event_of_the_state_feed(tmp_path, db_url):
+    """The server's side on a real store (SQLite and PostgreSQL): recorded once however often it
+    is posted, listed with the job's events, read by the relay as a ``checkpoint`` event."""
+    from torchrelay.server.events.relay import read_job_events
+    from torchrelay.server.service import ClusterService
+
+    svc = ClusterService(db_url, str(tmp_path / "store"), heartbeat_timeout_s=10)
+    try:
+        job = svc.submit({"name": "t", "entrypoint": "python x.py", "workers": 1}, None, None)
+        url = "file:///s/jobs/job-1/checkpoints/step-0000000008"
+        assert svc.checkpoint_committed(job.id, 1, 8, url) is True
+        assert svc.checkpoint_committed(job.id, 1, 8, url) is False  # a retry whose reply was lost
+        with pytest.raises(InvalidSpec, match="step -1"):
+            svc.checkpoint_committed(job.id, 1, -1, url)
+        assert [e.message for e in svc.get_job(job.id).events] == [
+            "submitted", f"checkpoint of step 8 committed by attempt 1: {url}"]
+        events = read_job_events(svc.db.engine, 0)
+        assert [(e.kind, e.routing_key(), e.step, e.attempt, e.url) for e in events] == [
+            ("state", f"job.{job.id}.state", None, None, ""), ("checkpoint", f"job.{job.id}.checkpoint", 8, 1, url)]
+    finally:
+        svc.stop()

@@ -29,9 +29,9 @@ from torchrelay.server.dashboard import STATIC_DIR, STATIC_PREFIX, dashboard_rou
 from torchrelay.server.series import SeriesCache
 from torchrelay.server.service import ClusterService
 from torchrelay.storage import ArtifactStore
-from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, Heartbeat, HeartbeatReply, JobInfo,
-                             LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration, RegisterReply,
-                             SeriesPage, SubmitRequest)
+from torchrelay.wire import (API_PREFIX, ArtifactInfo, BundleRef, CheckpointCommit, Heartbeat, HeartbeatReply,
+                             JobInfo, LogBatch, LogPage, MetricBatch, MetricPage, NodeInfo, NodeRegistration,
+                             RegisterReply, SeriesPage, SubmitRequest)
 
 MAX_WAIT_S = 60.0
 
@@ -344,5 +344,12 @@ def _agent_routes(svc: ClusterService) -> APIRouter:
         """A node's (or its worker's) batch of its own launch's metric points (``guard.check_launch``)."""
         guard.check_launch(request.app.state.guard, guard.principal(request), job_id, body.launch_id)
         return {"ok": True, "added": svc.ingest_metrics(job_id, body)}
+
+    @api.post("/jobs/{job_id}/checkpoints")
+    def post_checkpoint(job_id: str, body: CheckpointCommit, request: Request) -> dict[str, Any]:
+        """A checkpoint the job's workers committed, posted by rank 0 with its worker token (the
+        attempt is the token's): a job event, and a ``checkpoint`` event on the events feed."""
+        who = guard.principal(request)
+        return {"ok": True, "added": svc.checkpoint_committed(job_id, who.attempt, body.step, body.url)}
 
     return api

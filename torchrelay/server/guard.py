@@ -86,6 +86,8 @@ RULES: dict[tuple[str, str], Rule] = {
     # an admin too: tools that replay or import a job's records
     ("POST", "/api/v1/jobs/{job_id}/logs"): _r(NODE, ADMIN),
     ("POST", "/api/v1/jobs/{job_id}/metrics"): _r(NODE, WORKER, ADMIN),
+    # a worker of the job only (its token names the attempt): what its rank 0 committed
+    ("POST", "/api/v1/jobs/{job_id}/checkpoints"): _r(WORKER),
     ("GET", "/api/v1/whoami"): _r(USER, NODE, WORKER, ENROLL, SCRAPER),
     ("GET", "/api/v1/users"): _r(ADMIN),
     ("POST", "/api/v1/users"): _r(ADMIN),

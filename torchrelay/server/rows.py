@@ -186,11 +186,18 @@ class Rows:
         if target.terminal or target in (JobState.QUEUED, JobState.RESTARTING):
             self.outbox.kick = True
 
-    def add_event(self, row: JobRow, message: str, now: float) -> None:
-        """An event in the job's current state."""
-        self.s.add(EventRow(job_seq=row.seq, time=now, state=row.state, message=message))
+    def add_event(self, row: JobRow, message: str, now: float, kind: str | None = None,
+                  detail: dict | None = None) -> None:
+        """An event in the job's current state; ``kind`` "checkpoint" with its ``detail`` for a
+        checkpoint commit (``server.events.model``)."""
+        self.s.add(EventRow(job_seq=row.seq, time=now, state=row.state, message=message, kind=kind, detail=detail))
         self.outbox.job_changed(row.seq)
         self.outbox.keys.update((f"events:{row.seq}", "events"))
+
+    def event_details(self, row: JobRow, kind: str) -> list[dict]:
+        """The ``detail`` of each of the job's events of ``kind``, oldest first."""
+        q = select(EventRow.detail).where(EventRow.job_seq == row.seq, EventRow.kind == kind).order_by(EventRow.id)
+        return [d for d in self.s.scalars(q) if d is not None]
 
     def placed(self, row: JobRow, plans: Sequence[LaunchPlan], now: float, mpi: dict | None = None) -> None:
         """Start the job's next attempt on ``plans`` (``row.attempt`` already counts it); ``mpi``:

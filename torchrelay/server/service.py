@@ -29,6 +29,7 @@ from torchrelay import scheduler as policy
 from torchrelay.errors import InvalidSpec, NotFound
 from torchrelay.server import heartbeats, telemetry
 from torchrelay.server.control import Control
+from torchrelay.server.events.model import checkpoint_detail, checkpoint_message
 from torchrelay.server.executors import Executor, Executors
 from torchrelay.server.notify import Notifier
 from torchrelay.server.quotas import QuotaTable
@@ -199,6 +200,21 @@ class ClusterService:
                 row.last_metrics = telemetry.last_metrics(row.last_metrics, fresh)
                 rows.outbox.keys.update((f"metrics:{row.seq}", f"job:{row.seq}"))
         return len(fresh)
+
+    def checkpoint_committed(self, job_id: str, attempt: int, step: int, url: str) -> bool:
+        """Record a checkpoint the job's ``attempt`` committed as a job event (kind
+        ``checkpoint``, which the events feed sends as ``job.<id>.checkpoint``). Idempotent:
+        the same commit again adds nothing (False). Raises NotFound, InvalidSpec (a bad step or url)."""
+        try:
+            detail = checkpoint_detail(step, attempt, url)
+        except ValueError as exc:
+            raise InvalidSpec(str(exc)) from None
+        with self.db.write() as rows:
+            row = rows.job(job_id)
+            if detail in rows.event_details(row, "checkpoint"):
+                return False
+            rows.add_event(row, checkpoint_message(step, attempt, url), self.clock(), kind="checkpoint", detail=detail)
+        return True
 
     # ------------------------------------------------------------ bundles and artifacts
 

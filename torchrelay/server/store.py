@@ -70,6 +70,10 @@ class EventRow(Base):
     time: Mapped[float] = mapped_column(Float)
     state: Mapped[str] = mapped_column(String(16))
     message: Mapped[str] = mapped_column(Text, default="")
+    # None: a state change, placement, restart or stop request; "checkpoint": a commit its workers
+    # posted, ``detail`` {"step", "attempt", "url"} (server.events.model)
+    kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class NodeRow(Base):

@@ -38,6 +38,10 @@ Contract:
   on S3, ``link(2)`` on a folder), so a commit never replaces another writer's manifest. The
   fence check and the manifest write are still two store operations: docs/checkpoints.md says
   what that leaves, store by store.
+- The server hears of each commit: ``job_checkpoints()`` passes ``checkpoint_notice.notify_commit``
+  as ``on_commit``, which rank 0 calls with the step and URL once ``latest`` names the new
+  checkpoint; it becomes a job event (``relay status``) and a ``checkpoint`` event of the
+  server's events feed (docs/queues.md). It never fails the save.
 - Async (``async_=True`` or the policy's ``async``): the call returns once a background thread
   has started copying the state; writing and committing happen behind training. At most one
   save is in flight: the next save (or ``wait_for_checkpoint()``) waits for it and raises its
@@ -70,6 +74,7 @@ from torchrelay.spec import CheckpointPolicy
 from torchrelay.storage import ArtifactStore, describe_os_error, validate_relative_path
 from torchrelay.train.artifacts import job_store
 from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
+from torchrelay.train.checkpoint_notice import notify_commit
 from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
                                                   split_replicas)
 from torchrelay.train.preempt import mark_cooperative, poll_stop_for_checkpoint
@@ -256,7 +261,7 @@ class CheckpointStore:
 
     def __init__(self, store: ArtifactStore, job_id: str, keep: int = 3,
                  clock: Callable[[], float] = time.time, threads: int = DEFAULT_THREADS,
-                 attempt: int | None = None):
+                 attempt: int | None = None, on_commit: Callable[[int, str], None] | None = None):
         if keep < 1:
             raise ValueError(f"keep={keep!r} must be >= 1")
         self.store = store
@@ -266,6 +271,7 @@ class CheckpointStore:
         self.keep = keep
         self.clock = clock
         self.threads = threads
+        self.on_commit = on_commit  # (step, url) once a checkpoint is committed (checkpoint_notice)
 
     def key(self, *parts: str) -> str:
         return posixpath.join(self.prefix, *parts)
@@ -307,6 +313,8 @@ class CheckpointStore:
                 raise StaleAttempt(f"checkpoint of step {step} of {self.job_id} was not committed: another "
                                    f"writer committed {self.url(name)} first")
             self.store.put_bytes(self.key(LATEST), name.encode())
+            if self.on_commit is not None:
+                self.on_commit(step, self.url(name))
             self._prune(step)
 
         return StoreWriter(self.store, self.key(name), threads=self.threads, on_start=start, on_commit=commit)
@@ -482,7 +490,7 @@ def job_checkpoints() -> CheckpointStore:
     """This job's ``CheckpointStore`` (keep from ``RELAY_CHECKPOINT``)."""
     store, job_id = job_store()
     ctx = current_session().known_context()
-    return CheckpointStore(store, job_id, keep=ctx.checkpoint.keep, attempt=ctx.attempt)
+    return CheckpointStore(store, job_id, keep=ctx.checkpoint.keep, attempt=ctx.attempt, on_commit=notify_commit)
 
 
 def _save_group() -> tuple[bool, Any]:

@@ -3,10 +3,10 @@
 Contract:
 - ``EventRelay(url, engine, sink=None)``; ``start()`` starts its daemon thread; ``stop()``
   (idempotent) ends it and closes the sink, waiting at most ``timeout`` s.
-- Three feeds (``model.FEEDS``): job events, node events, and a metric summary per job every
-  ``summary_s`` (5 s). Delivery is at least once and in ``seq`` order within each feed: a batch
-  is read after the feed's cursor in ``seq`` order, the cursor moves only past what the broker
-  confirmed (``model.next_cursor``) and is kept in the store (``event_cursors``, one row per
+- Three feeds (``model.FEEDS``): job events (state changes and checkpoint commits), node
+  events, and a metric summary per job every ``summary_s`` (5 s). Delivery is at least once
+  and in ``seq`` order within each feed: a batch is read after the feed's cursor in ``seq``
+  order, the cursor moves only past what the broker confirmed (``model.next_cursor``) and is kept in the store (``event_cursors``, one row per
   sink URL and feed), so a restarted server resumes where the broker last confirmed; a
   consumer drops a ``(kind, seq)`` it has seen.
 - While the broker cannot be reached the relay logs it (the first time and then once a
@@ -29,7 +29,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from torchrelay.server.events.model import Event, metric_summaries, next_cursor
+from torchrelay.server.events.model import Event, job_event, metric_summaries, next_cursor
 from torchrelay.server.events.sinks import Sink, SinkUnavailable, make_sink
 from torchrelay.server.events.urls import SinkUrl
 from torchrelay.server.store import EventCursorRow, EventRow, MetricRow, NodeEventRow
@@ -40,13 +40,14 @@ BATCH = 500
 
 
 def read_job_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]:
-    """The store's job events after ``after``, oldest first."""
+    """The store's job events after ``after``, oldest first: kind ``state``, or ``checkpoint``
+    for a commit (with its step, attempt and url)."""
     table = EventRow.__table__
     with engine.connect() as conn:
-        rows = conn.execute(select(table.c.id, table.c.job_seq, table.c.time, table.c.state, table.c.message)
+        rows = conn.execute(select(table.c.id, table.c.job_seq, table.c.time, table.c.state, table.c.message,
+                                   table.c.kind, table.c.detail)
                             .where(table.c.id > after).order_by(table.c.id).limit(limit)).all()
-    return [Event(seq=r.id, time=r.time, job_id=job_id_of(r.job_seq), state=r.state, message=r.message or "")
-            for r in rows]
+    return [job_event(r.id, job_id_of(r.job_seq), r.time, r.state, r.message or "", r.kind, r.detail) for r in rows]
 
 
 def read_node_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]:

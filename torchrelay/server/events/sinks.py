@@ -11,7 +11,9 @@ idempotent. A sink is used by one thread (its relay's).
   (``_BatchConfirms``); ``message_id`` and the ``seq`` and ``kind`` headers carry the seq.
 - ``KafkaSink``: confluent-kafka's producer, idempotent (``enable.idempotence``: no duplicates
   or reordering from its own retries), ``acks=all``, key = job id (node name for node events:
-  a subject's events stay in one partition, in order); ``publish`` flushes and counts the delivery reports.
+  a subject's events stay in one partition, in order); ``publish`` flushes and counts the delivery
+  reports; a batch none of which was delivered within ``timeout_s`` (``message.timeout.ms``)
+  raises ``SinkUnavailable`` and the producer is replaced (its queue purged) on the next call.
 """
 from __future__ import annotations
 
@@ -142,7 +144,9 @@ class _BatchConfirms:
 
 
 class KafkaSink:
-    def __init__(self, url: SinkUrl, timeout_s: float = 10.0):
+    # 5 s, as the AMQP sink's: a batch a broker has not confirmed by then goes back to the store
+    # (the relay resends it from its cursor), rather than holding the relay behind librdkafka's queue
+    def __init__(self, url: SinkUrl, timeout_s: float = 5.0):
         self.url = url
         self.timeout_s = timeout_s
         self._producer = None
