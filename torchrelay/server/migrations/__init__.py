@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 
 __all__ = ["HEAD", "upgrade", "revision", "add_column_once"]
 
-HEAD = "0010"
+HEAD = "0011"
 _FIRST = "0001"
 _LOCK_KEY = 0x7472656C6179  # "trelay": the advisory lock two starting servers share
 

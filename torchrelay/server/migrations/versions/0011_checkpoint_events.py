@@ -1,15 +1,15 @@
 """job_events.kind and job_events.detail: a checkpoint commit is a job event with its step,
 attempt and URL (``torchrelay/server/events``); the rows before it are state events (NULL).
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 """
 import sqlalchemy as sa
 
 from torchrelay.server.migrations import add_column_once
 
-revision = "0010"
-down_revision = "0009"
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
