@@ -199,11 +199,46 @@ def scenario_tensor_parallel(rank: int, world: int) -> dict:
         opt.zero_grad()
     full = rt.full_state_dict(model)
     qkv = rt.unwrap(model)[1].qkv.weight
-    out = {"qkv_local": list(qkv.to_local().shape), "qkv_placements": str(qkv.placements)}
+    out = {"qkv_local": list(qkv.to_local().shape), "qkv_placements": str(qkv.placements),
+           "checkpoint": tensor_parallel_checkpoint(model, opt, full, rank)}
     if rank == 0:
         expected = charlm_reference(STEPS)
         out["max_diff"] = max((full[k] - v).abs().max().item() for k, v in expected.items())
     return out
+
+
+def tensor_parallel_checkpoint(model, opt, full: dict, rank: int) -> dict:
+    """Saved from the (dp 2 × tp 2) mesh, loaded by shards into a fresh model on that mesh and into plain fsdp over
+    the 4 ranks (another layout: DCP reshards). In a store of its own: the 2-rank launch resumes the other one."""
+    import torchrelay.train as rt
+    from torchrelay.spec import FSDPStrategy
+    from torchrelay.train import sharded
+    from torchrelay.train.checkpoint import load_checkpoint
+    from torchrelay.train.checkpoint_shards import shard_target
+
+    lm, store = charlm(), os.environ["RELAY_OUTPUT_DIR"]
+    os.environ["RELAY_OUTPUT_DIR"] = store + "-tp"
+    try:
+        state = rt.TrainState(model, opt)
+        state.step = STEPS
+        state.save(async_=False)
+        out: dict = {}
+        for name, tp in (("tp", 2), ("fsdp", 1)):
+            torch.manual_seed(1)  # another start: only the checkpoint makes it equal
+            fresh = lm.CharLM(lm.CharLMConfig(vocab_size=12, context=8, d_model=16, n_heads=2, n_layers=2))
+            fresh, fresh_opt = sharded.prepare(fresh, torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9),
+                                               FSDPStrategy(kind="fsdp", tensor_parallel=tp), rt.current_context())
+            loaded, _ = load_checkpoint(target=lambda: shard_target(fresh, fresh_opt))
+            qkv = loaded["model"]["module.1.qkv.weight"]
+            momentum = loaded["optimizer"]["inner"]["state"]["1.qkv.weight"]["momentum_buffer"]
+            out[f"{name}_loaded"] = [type(qkv).__name__, list(qkv.to_local().shape), list(momentum.to_local().shape)]
+            assert rt.TrainState(fresh, fresh_opt).restore()
+            restored = rt.full_state_dict(fresh)
+            if rank == 0:
+                out[f"{name}_diff"] = max((restored[k] - v).abs().max().item() for k, v in full.items())
+        return out
+    finally:
+        os.environ["RELAY_OUTPUT_DIR"] = store
 
 
 def scenario_pipeline(rank: int, world: int) -> dict:
@@ -331,6 +366,13 @@ def test_tensor_parallel_times_fsdp_on_two_by_two_equals_one_process(launched: d
     assert results[0]["max_diff"] < 1e-5, results[0]
     # qkv (48 × 16) split by output rows over tp, then by FSDP over dp: 12 rows per rank
     assert all(r["qkv_local"] == [12, 16] for r in results), results
+
+
+def test_tensor_parallel_checkpoint_loads_by_shards_on_its_mesh_and_on_plain_fsdp(launched: dict) -> None:
+    results = [r["tp"]["checkpoint"] for r in launched[4]]
+    assert results[0]["tp_diff"] == 0.0 and results[0]["fsdp_diff"] == 0.0, results[0]
+    for r in results:  # each rank read its own 12 of qkv's 48 rows (and of their momentum), whichever layout
+        assert r["tp_loaded"] == r["fsdp_loaded"] == ["DTensor", [12, 16], [12, 16]], r
 
 
 def test_pipeline_stages_sharded_over_their_replicas_train_as_the_unsplit_model(launched: dict) -> None:
