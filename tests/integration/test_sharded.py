@@ -277,6 +277,40 @@ def scenario_pipeline(rank: int, world: int) -> dict:
             "local": local, "stage_full": stage_full}
 
 
+def scenario_pipeline_tensor_parallel(rank: int, world: int) -> dict:
+    """The char LM cut in 2 stages, each split over 2 tensor-parallel ranks (one replica): a (pp 2 × tp 2) mesh,
+    blocks on meta until split and sharded."""
+    import copy
+
+    import torchrelay.train as rt
+    from torchrelay.train import pipeline as pp
+    from torchrelay.train.pipeline import materialize_module
+
+    lm = charlm()
+    cfg = lm.CharLMConfig(vocab_size=12, context=8, d_model=16, n_heads=2, n_layers=2)
+    meta = pp.build_on_meta(lambda: lm.build_blocks(cfg))
+    strategy = {"stages": 2, "replicas": 1, "tensor_parallel": 2, "microbatches": 2, "data_parallel": "fsdp"}
+    pipe = pp.prepare(copy.deepcopy(meta), lm.lm_loss, strategy, ctx=rt.current_context(), plan=[0, 2], seed=7)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    reference = torch.nn.Sequential(*[materialize_module(copy.deepcopy(b), "cpu", 7 + i) for i, b in enumerate(meta)])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(1, STEPS + 1):
+        x, y = charlm_batch(step)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)  # every tp rank: the same
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+        ref_loss = lm.lm_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    qkv = [p for name, p in pipe.module.named_parameters() if name.endswith("qkv.weight")]
+    return {"stage": pipe.stage, "losses": losses, "reference": ref_losses,
+            "qkv_local": [list(p.to_local().shape) for p in qkv]}
+
+
 def scenario_bf16(rank: int, world: int) -> dict:
     """Mixed precision bf16 on CPU: computed in bf16, sharded parameters and Adam in float32."""
     from torchrelay.spec import FSDPStrategy
@@ -318,6 +352,7 @@ def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> Non
     if world == 4:
         result["tp"] = scenario_tensor_parallel(rank, world)
         result["pipe"] = scenario_pipeline(rank, world)
+        result["pipe_tp"] = scenario_pipeline_tensor_parallel(rank, world)
     else:
         result["bf16"] = scenario_bf16(rank, world)
     rt.shutdown()
@@ -383,6 +418,16 @@ def test_pipeline_stages_sharded_over_their_replicas_train_as_the_unsplit_model(
     assert pipelined == pytest.approx(results[0]["reference"], rel=1e-5)
     for r in results:  # each rank holds half of its stage
         assert r["local"] == pytest.approx(r["stage_full"] / 2, abs=16), r
+
+
+def test_tensor_parallel_inside_pipeline_stages_trains_as_the_unsplit_model(launched: dict) -> None:
+    results = [r["pipe_tp"] for r in launched[4]]
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    for r in results:
+        if r["stage"] == 1:  # both tensor-parallel ranks of the last stage compute the loss
+            assert r["losses"] == pytest.approx(r["reference"], rel=1e-5), r
+        # each stage's blocks split qkv (48 × 16) by output rows over its 2 tensor-parallel ranks
+        assert r["qkv_local"] == [[24, 16]], r
 
 
 def test_bf16_mixed_precision_on_cpu(launched: dict) -> None:
