@@ -147,6 +147,17 @@ def _process_groups(layout: list[list[int]], rank: int, stage: int) -> tuple:
     return pp_group, dp_group
 
 
+def _groups(shape, layout: list[list[int]], rank: int, stage: int, device: torch.device) -> tuple:
+    """``(mesh or None, pipeline group, data-parallel group)``. With tensor parallel the (dp, pp, tp) mesh
+    makes every group, on every rank in the same order; without, ``_process_groups``. Collective."""
+    if shape.tp == 1:
+        return (None, *_process_groups(layout, rank, stage))
+    from torchrelay.train.sharded.prepare import build_mesh
+
+    mesh = build_mesh(shape, device.type)
+    return mesh, mesh.get_group("pp"), mesh.get_group("dp")
+
+
 def _lean_runner(the_plan: Plan, own: dict[int, nn.Module], layout: list[list[int]], stage: int,
                  replica: int, strategy: PipelineStrategy, loss_fn: Callable, device: torch.device,
                  transport: str, pp_group, dp_group) -> LeanPipeline:
@@ -236,14 +247,7 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
                           refine)
 
     layout = _stage_ranks(num_stages, replicas, tp, place["tp"])
-    mesh = None
-    if tp > 1:  # the (dp, pp, tp) mesh makes every group, on every rank in the same order
-        from torchrelay.train.sharded.prepare import build_mesh
-
-        mesh = build_mesh(MeshShape(pp=num_stages, dp=replicas, tp=tp), device.type)
-        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-    else:
-        pp_group, dp_group = _process_groups(layout, rank, stage)
+    mesh, pp_group, dp_group = _groups(MeshShape(pp=num_stages, dp=replicas, tp=tp), layout, rank, stage, device)
 
     my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
     own = _own_blocks(blocks, the_plan, my_plan_stages, device, seed, strategy, dp_group, rank, num_stages,
@@ -315,6 +319,11 @@ def publish_plan(plan: Plan, env=os.environ) -> str | None:
     return path
 
 
+def _first_rank(plan_stage: int, num_stages: int, strategy: PipelineStrategy) -> int:
+    """The rank that runs ``plan_stage`` in replica 0 at tensor-parallel place 0 (its device speaks for the stage)."""
+    return (plan_stage % num_stages) * strategy.tensor_parallel
+
+
 def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,
                loss_fn, device, optimizer_factory, mem_cap_bytes, seed, refine) -> Plan:
     schedule = "1f1b" if strategy.schedule == "interleaved_1f1b" else strategy.schedule
@@ -330,8 +339,8 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
                 for i, b in enumerate(blocks)]
         names = [None] * dist.get_world_size()  # stages may sit on different devices
         dist.all_gather_object(names, str(device))
-        devices = [DeviceSpec(f"rank{k % num_stages}:{names[k % num_stages]}")
-                   for k in range(plan_stage_count)]
+        devices = [DeviceSpec(f"rank{_first_rank(k, num_stages, strategy)}:"
+                              f"{names[_first_rank(k, num_stages, strategy)]}") for k in range(plan_stage_count)]
         return plan_from_boundaries(unit, devices, bounds, microbatches=strategy.microbatches,
                                     schedule=schedule)
     if sample is None:
@@ -357,14 +366,15 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
     # each rank's own block times, device and memory cap: stages may sit on different devices
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, ([c.time_s for c in costs], str(device), cap))
-    link = measure_link(0, 1, device=device) if dist.get_world_size() > 1 else Link()
+    tp = strategy.tensor_parallel  # stage 1's first rank is rank tp (rank 1 is stage 0's next tp place)
+    link = measure_link(0, tp, device=device) if dist.get_world_size() > tp else Link()
     links = [None] * dist.get_world_size()
     dist.all_gather_object(links, (link.bandwidth_bytes_per_s, link.latency_s))
     link = Link(*links[0])
     devices = []
     for k in range(plan_stage_count):
-        times, device_name, device_cap = per_rank[k % num_stages]
-        devices.append(DeviceSpec(name=f"rank{k % num_stages}:{device_name}",
+        times, device_name, device_cap = per_rank[_first_rank(k, num_stages, strategy)]
+        devices.append(DeviceSpec(name=f"rank{_first_rank(k, num_stages, strategy)}:{device_name}",
                                   mem_cap_bytes=device_cap, block_times_s=tuple(times)))
     chosen = plan_stages(costs, devices, link, strategy.microbatches, schedule)
     if refine > 0 and plan_stage_count == num_stages > 1:
@@ -387,17 +397,18 @@ def _measure_near_optimal(plan, blocks, costs, devices, link, strategy, schedule
     numbers."""
     candidates = near_optimal_cuts(costs, devices, plan, link, strategy.microbatches, schedule,
                                    tolerance=tolerance)
-    stage = dist.get_rank() % num_stages
+    tp = strategy.tensor_parallel
+    stage = (dist.get_rank() // tp) % num_stages
     mine = [time_stage(blocks, bounds[stage], bounds[stage + 1], block_inputs[bounds[stage]],
                        device, loss_fn=loss_fn, sample_target=sample_target, seed=seed)
             for bounds in candidates]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    slowest = [max(everyone[k][i] for k in range(num_stages)) for i in range(len(candidates))]
+    slowest = [max(everyone[k * tp][i] for k in range(num_stages)) for i in range(len(candidates))]
     best = min(range(len(candidates)), key=slowest.__getitem__)
     chosen = plan if best == 0 else plan_from_boundaries(
         costs, devices, candidates[best], link, strategy.microbatches, schedule)
-    measured = tuple(dataclasses.replace(st, compute_s=everyone[k][best])
+    measured = tuple(dataclasses.replace(st, compute_s=everyone[k * tp][best])
                      for k, st in enumerate(chosen.stages))
     timed = ", ".join(f"{bounds[1:-1]} {t * 1e3:.2f} ms" for bounds, t in zip(candidates, slowest))
     note = (f"stage times measured as whole stages; cuts predicted within {tolerance:.0%} "
