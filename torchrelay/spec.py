@@ -208,6 +208,16 @@ class PipelineStrategy(_Strict):
     data_parallel: Literal["ddp", "fsdp"] = Field(
         default="ddp", description="how the replicas of a stage share it: ddp (each holds the whole stage, "
         "gradients averaged) or fsdp (the stage's parameters, gradients and optimizer state sharded over them)")
+    tensor_parallel: int = Field(default=1, ge=1, description="workers per tensor-parallel group inside each "
+                                 "stage replica (1: none); needs data_parallel fsdp; workers = stages × replicas × "
+                                 "tensor_parallel")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_fsdp(self) -> "PipelineStrategy":
+        if self.tensor_parallel > 1 and self.data_parallel != "fsdp":
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} inside pipeline stages needs "
+                             f"data_parallel: fsdp (got {self.data_parallel!r})")
+        return self
 
 
 class FSDPStrategy(_Strict):

@@ -29,6 +29,7 @@ def test_digits_under_a_parameter_server_job_places_servers_as_their_own_launch(
         info = client.wait(job.id, timeout=240, poll_s=0.5)
         logs = "\n".join(line.text for line in client.iter_logs(job.id))
         node = client.nodes()[0]
+        memory = {p.rank: p.values for p in client.metrics(job.id).points if "memory_parameters" in p.values}
     assert info.state == JobState.SUCCEEDED, (info.failure, logs[-3000:])
     placed = next(e.message for e in info.events if e.state == JobState.SCHEDULED)
     assert "servers on" in placed, placed
@@ -37,3 +38,11 @@ def test_digits_under_a_parameter_server_job_places_servers_as_their_own_launch(
     accuracy = float(re.search(r"test_accuracy=([0-9.]+)", logs).group(1))
     assert accuracy >= 0.9, logs[-2000:]
     assert node.used_cpus == 0  # everything it held was given back
+    # memory per rank: each worker the whole model and its gradients, no optimizer state; the server (rank 2)
+    # its shard, all of the model here, and Adam's two moments of it
+    assert sorted(memory) == [0, 1, 2], memory
+    for worker in (0, 1):
+        assert memory[worker]["memory_gradients"] == memory[worker]["memory_parameters"] > 0, memory
+        assert memory[worker]["memory_optimizer_state"] == 0
+    assert memory[2]["memory_parameters"] >= memory[0]["memory_parameters"]  # the flat buffer, aligned
+    assert memory[2]["memory_optimizer_state"] >= 2 * memory[2]["memory_parameters"]

@@ -199,11 +199,46 @@ def scenario_tensor_parallel(rank: int, world: int) -> dict:
         opt.zero_grad()
     full = rt.full_state_dict(model)
     qkv = rt.unwrap(model)[1].qkv.weight
-    out = {"qkv_local": list(qkv.to_local().shape), "qkv_placements": str(qkv.placements)}
+    out = {"qkv_local": list(qkv.to_local().shape), "qkv_placements": str(qkv.placements),
+           "checkpoint": tensor_parallel_checkpoint(model, opt, full, rank)}
     if rank == 0:
         expected = charlm_reference(STEPS)
         out["max_diff"] = max((full[k] - v).abs().max().item() for k, v in expected.items())
     return out
+
+
+def tensor_parallel_checkpoint(model, opt, full: dict, rank: int) -> dict:
+    """Saved from the (dp 2 × tp 2) mesh, loaded by shards into a fresh model on that mesh and into plain fsdp over
+    the 4 ranks (another layout: DCP reshards). In a store of its own: the 2-rank launch resumes the other one."""
+    import torchrelay.train as rt
+    from torchrelay.spec import FSDPStrategy
+    from torchrelay.train import sharded
+    from torchrelay.train.checkpoint import load_checkpoint
+    from torchrelay.train.checkpoint_shards import shard_target
+
+    lm, store = charlm(), os.environ["RELAY_OUTPUT_DIR"]
+    os.environ["RELAY_OUTPUT_DIR"] = store + "-tp"
+    try:
+        state = rt.TrainState(model, opt)
+        state.step = STEPS
+        state.save(async_=False)
+        out: dict = {}
+        for name, tp in (("tp", 2), ("fsdp", 1)):
+            torch.manual_seed(1)  # another start: only the checkpoint makes it equal
+            fresh = lm.CharLM(lm.CharLMConfig(vocab_size=12, context=8, d_model=16, n_heads=2, n_layers=2))
+            fresh, fresh_opt = sharded.prepare(fresh, torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9),
+                                               FSDPStrategy(kind="fsdp", tensor_parallel=tp), rt.current_context())
+            loaded, _ = load_checkpoint(target=lambda: shard_target(fresh, fresh_opt))
+            qkv = loaded["model"]["module.1.qkv.weight"]
+            momentum = loaded["optimizer"]["inner"]["state"]["1.qkv.weight"]["momentum_buffer"]
+            out[f"{name}_loaded"] = [type(qkv).__name__, list(qkv.to_local().shape), list(momentum.to_local().shape)]
+            assert rt.TrainState(fresh, fresh_opt).restore()
+            restored = rt.full_state_dict(fresh)
+            if rank == 0:
+                out[f"{name}_diff"] = max((restored[k] - v).abs().max().item() for k, v in full.items())
+        return out
+    finally:
+        os.environ["RELAY_OUTPUT_DIR"] = store
 
 
 def scenario_pipeline(rank: int, world: int) -> dict:
@@ -240,6 +275,40 @@ def scenario_pipeline(rank: int, world: int) -> dict:
     stage_full = sum(p.numel() for i in pipe.blocks for p in reference[i].parameters())
     return {"stage": pipe.stage, "replica": pipe.replica, "losses": losses, "reference": ref_losses,
             "local": local, "stage_full": stage_full}
+
+
+def scenario_pipeline_tensor_parallel(rank: int, world: int) -> dict:
+    """The char LM cut in 2 stages, each split over 2 tensor-parallel ranks (one replica): a (pp 2 × tp 2) mesh,
+    blocks on meta until split and sharded."""
+    import copy
+
+    import torchrelay.train as rt
+    from torchrelay.train import pipeline as pp
+    from torchrelay.train.pipeline import materialize_module
+
+    lm = charlm()
+    cfg = lm.CharLMConfig(vocab_size=12, context=8, d_model=16, n_heads=2, n_layers=2)
+    meta = pp.build_on_meta(lambda: lm.build_blocks(cfg))
+    strategy = {"stages": 2, "replicas": 1, "tensor_parallel": 2, "microbatches": 2, "data_parallel": "fsdp"}
+    pipe = pp.prepare(copy.deepcopy(meta), lm.lm_loss, strategy, ctx=rt.current_context(), plan=[0, 2], seed=7)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    reference = torch.nn.Sequential(*[materialize_module(copy.deepcopy(b), "cpu", 7 + i) for i, b in enumerate(meta)])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(1, STEPS + 1):
+        x, y = charlm_batch(step)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)  # every tp rank: the same
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+        ref_loss = lm.lm_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    qkv = [p for name, p in pipe.module.named_parameters() if name.endswith("qkv.weight")]
+    return {"stage": pipe.stage, "losses": losses, "reference": ref_losses,
+            "qkv_local": [list(p.to_local().shape) for p in qkv]}
 
 
 def scenario_bf16(rank: int, world: int) -> dict:
@@ -283,6 +352,7 @@ def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> Non
     if world == 4:
         result["tp"] = scenario_tensor_parallel(rank, world)
         result["pipe"] = scenario_pipeline(rank, world)
+        result["pipe_tp"] = scenario_pipeline_tensor_parallel(rank, world)
     else:
         result["bf16"] = scenario_bf16(rank, world)
     rt.shutdown()
@@ -333,6 +403,13 @@ def test_tensor_parallel_times_fsdp_on_two_by_two_equals_one_process(launched: d
     assert all(r["qkv_local"] == [12, 16] for r in results), results
 
 
+def test_tensor_parallel_checkpoint_loads_by_shards_on_its_mesh_and_on_plain_fsdp(launched: dict) -> None:
+    results = [r["tp"]["checkpoint"] for r in launched[4]]
+    assert results[0]["tp_diff"] == 0.0 and results[0]["fsdp_diff"] == 0.0, results[0]
+    for r in results:  # each rank read its own 12 of qkv's 48 rows (and of their momentum), whichever layout
+        assert r["tp_loaded"] == r["fsdp_loaded"] == ["DTensor", [12, 16], [12, 16]], r
+
+
 def test_pipeline_stages_sharded_over_their_replicas_train_as_the_unsplit_model(launched: dict) -> None:
     results = [r["pipe"] for r in launched[4]]
     assert sorted((r["replica"], r["stage"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -341,6 +418,16 @@ def test_pipeline_stages_sharded_over_their_replicas_train_as_the_unsplit_model(
     assert pipelined == pytest.approx(results[0]["reference"], rel=1e-5)
     for r in results:  # each rank holds half of its stage
         assert r["local"] == pytest.approx(r["stage_full"] / 2, abs=16), r
+
+
+def test_tensor_parallel_inside_pipeline_stages_trains_as_the_unsplit_model(launched: dict) -> None:
+    results = [r["pipe_tp"] for r in launched[4]]
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    for r in results:
+        if r["stage"] == 1:  # both tensor-parallel ranks of the last stage compute the loss
+            assert r["losses"] == pytest.approx(r["reference"], rel=1e-5), r
+        # each stage's blocks split qkv (48 × 16) by output rows over its 2 tensor-parallel ranks
+        assert r["qkv_local"] == [[24, 16]], r
 
 
 def test_bf16_mixed_precision_on_cpu(launched: dict) -> None:

@@ -73,7 +73,7 @@ from torchrelay.errors import CheckpointCorrupt, InvalidPath, NotFound, StaleAtt
 from torchrelay.spec import CheckpointPolicy
 from torchrelay.storage import ArtifactStore, describe_os_error, validate_relative_path
 from torchrelay.train.artifacts import job_store
-from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, SafeLoadPlanner, StoreReader, StoreWriter
+from torchrelay.train.checkpoint_dcp import DEFAULT_THREADS, LoadTarget, SafeLoadPlanner, StoreReader, StoreWriter
 from torchrelay.train.checkpoint_notice import notify_commit
 from torchrelay.train.checkpoint_replicas import (REPLICAS, belongs_to_other_rank, join_replicas, same_memory,
                                                   split_replicas)
@@ -458,15 +458,16 @@ def _prepare_state(state: dict, split: Callable[[dict], dict] | None = None) -> 
 
 
 def decode_files(checkpoints: CheckpointStore, name: str, group: Any = None, *, rank: int | None = None,
-                 world_size: int | None = None) -> dict:
+                 world_size: int | None = None, target: LoadTarget | None = None) -> dict:
     """The state of verified checkpoint ``name`` as rank ``rank`` of ``world_size`` saved it (default:
     this process's place in ``group``), tensors on the CPU. Other ranks' replica entries are not
-    read. Raises ``CheckpointCorrupt``, and ``InvalidSpec`` when the checkpoint holds the diverged
-    replicas of another number of ranks (checkpoint_replicas)."""
+    read. ``target`` (a sharded load, checkpoint_dcp) puts the tensors it names into this rank's
+    shards instead. Raises ``CheckpointCorrupt``, and ``InvalidSpec`` when the checkpoint holds the
+    diverged replicas of another number of ranks (checkpoint_replicas)."""
     group_rank, group_world = _rank_world(group)
     rank = group_rank if rank is None else rank
     world_size = group_world if world_size is None else world_size
-    planner = SafeLoadPlanner(skip=lambda path: belongs_to_other_rank(path, rank))
+    planner = SafeLoadPlanner(skip=lambda path: belongs_to_other_rank(path, rank), target=target)
     reader = StoreReader(checkpoints.store, checkpoints.key(name))
     reader.read_metadata()  # CheckpointCorrupt here, before DCP wraps it (every rank reads the same bytes)
     try:
@@ -691,18 +692,21 @@ def _report_failure(pending: PendingSave, future: Future) -> None:
                   pending.step, pending.url, error)
 
 
-def load_checkpoint() -> tuple[Any, int] | None:
+def load_checkpoint(target: Callable[[], LoadTarget | None] | None = None) -> tuple[Any, int] | None:
     """(state, step) of the newest checkpoint that verifies, or None when there is none.
 
     Call it on every rank (collective). Tensors land on the CPU (``load_state_dict`` moves
-    them). Corrupt ones are skipped with a warning naming each and why.
+    them). Corrupt ones are skipped with a warning naming each and why. ``target``, called once
+    a checkpoint verified, gives where its tensors go for a sharded load (``TrainState.restore``
+    passes one under fsdp: each rank reads only its shards; see checkpoint_dcp).
     """
     wait_for_checkpoint()
     _writes, group = _save_group()
     ctx = current_session().known_context()
 
     def decode(checkpoints: CheckpointStore, name: str, group: Any) -> dict:
-        return decode_files(checkpoints, name, group, rank=ctx.rank, world_size=ctx.world_size)
+        return decode_files(checkpoints, name, group, rank=ctx.rank, world_size=ctx.world_size,
+                            target=target() if target is not None else None)
 
     loaded = job_checkpoints().load(decode=decode, group=group)
     return None if loaded is None else (loaded.state, loaded.step)

@@ -26,12 +26,20 @@ Contract:
   (``SafeLoadPlanner``; DCP's default planner uses ``weights_only=False``; its ``skip`` leaves
   out values a rank does not need, such as other ranks' replicas). Damage it meets is
   ``CheckpointCorrupt``. It does not check checksums: the caller verifies the folder first.
+  A read item that wants whole rows of a stored chunk (the first dimension cut, the others
+  whole: every FSDP shard of a tensor saved whole or sharded another way) reads only those
+  rows' bytes, so loading a shard never holds the whole tensor.
+- ``SafeLoadPlanner(target=...)``: a sharded load. ``target(path, stored)`` gives, for a saved
+  tensor at ``path`` (the state's keys, e.g. ``("model", "module.0.weight")``), the tensor to
+  load it into (an empty DTensor of this rank's shard: DCP then plans reads of this rank's
+  slices only, whatever world size saved it), or None to rebuild it whole as before.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import io
+import math
 import os
 import pickle
 import posixpath
@@ -42,7 +50,7 @@ import torch
 from torch.futures import Future  # DCP waits on torch futures (.wait()), not concurrent ones
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -92,6 +100,17 @@ def split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]
         groups[lightest].append(item)
         loads[lightest] += item_nbytes(item)
     return [g for g in groups if g]
+
+
+def row_span(sizes: tuple[int, ...], offsets: tuple[int, ...],
+             lengths: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first row, rows)`` when the slice ``offsets``/``lengths`` of a row-major tensor of ``sizes``
+    is whole rows (only the first dimension cut), so its bytes are one contiguous run; else None. Pure."""
+    if not sizes or len(offsets) != len(sizes) or len(lengths) != len(sizes):
+        return None
+    if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], sizes[1:])):
+        return None
+    return int(offsets[0]), int(lengths[0])
 
 
 def digest_entry(data: bytes) -> dict[str, Any]:
@@ -358,7 +377,7 @@ class StoreReader(StorageReader):
                 with self.store.fs.open(path, "rb") as fh:
                     for (_, offset, length), item in sorted(entries, key=lambda e: e[0][1]):
                         fh.seek(offset)
-                        self._load_item(fh, name, length, item, planner)
+                        self._load_item(fh, name, offset, length, item, planner)
             except FileNotFoundError:
                 raise CheckpointCorrupt(f"checkpoint file {name!r} is missing") from None
             except self.store.failures as exc:
@@ -368,7 +387,7 @@ class StoreReader(StorageReader):
         future.set_result(None)
         return future
 
-    def _load_item(self, fh: Any, name: str, length: int, item: Any, planner: LoadPlanner) -> None:
+    def _load_item(self, fh: Any, name: str, offset: int, length: int, item: Any, planner: LoadPlanner) -> None:
         fqn = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             raw = fh.read(length)
@@ -382,25 +401,41 @@ class StoreReader(StorageReader):
         chunk = next((c for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset or ())), None)
         if chunk is None:
             raise CheckpointCorrupt(f"{METADATA_FILE} has no chunk of {fqn!r} at {item.storage_index.offset}")
-        tensor = torch.empty(tuple(chunk.sizes), dtype=stored.properties.dtype)
-        if tensor.numel() * tensor.element_size() != length:
-            raise CheckpointCorrupt(f"{fqn!r} occupies {length} bytes but a {stored.properties.dtype} "
-                                    f"{tuple(chunk.sizes)} tensor needs {tensor.numel() * tensor.element_size()}")
-        if length:
-            got = fh.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-            if got != length:
-                raise CheckpointCorrupt(f"{name!r} ends inside the tensor {fqn!r} (truncated)")
-        for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
-            tensor = tensor.narrow(dim, start, size)
+        sizes, dtype = tuple(chunk.sizes), stored.properties.dtype
+        needed = math.prod(sizes) * torch._utils._element_size(dtype)
+        if needed != length:
+            raise CheckpointCorrupt(f"{fqn!r} occupies {length} bytes but a {dtype} {sizes} tensor needs {needed}")
+        span = row_span(sizes, tuple(item.storage_offsets), tuple(item.lengths))
+        if span is not None:  # whole rows: read only their bytes (a shard of a tensor saved whole)
+            first, rows = span
+            row_bytes = length // sizes[0] if sizes[0] else 0
+            fh.seek(offset + first * row_bytes)
+            tensor = self._read_tensor(fh, name, fqn, (rows, *sizes[1:]), dtype)
+        else:
+            tensor = self._read_tensor(fh, name, fqn, sizes, dtype)
+            for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+                tensor = tensor.narrow(dim, start, size)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise CheckpointCorrupt(f"{fqn!r} has shape {tuple(tensor.size())}, expected {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
+    @staticmethod
+    def _read_tensor(fh: Any, name: str, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A fresh ``shape``/``dtype`` tensor filled from ``fh``'s next bytes. Raises ``CheckpointCorrupt`` when short."""
+        tensor = torch.empty(shape, dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes and fh.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != nbytes:
+            raise CheckpointCorrupt(f"{name!r} ends inside the tensor {fqn!r} (truncated)")
+        return tensor
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+LoadTarget = Callable[[tuple, dcp_metadata.TensorStorageMetadata], "torch.Tensor | None"]
 
 
 class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
@@ -409,12 +444,37 @@ class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
     what ``dcp_to_torch_save`` uses; its ``load_bytes`` would allow any pickle.)
 
     ``skip(path)``, when given, leaves out the values whose flattened path (a tuple of keys) it
-    accepts: another rank's replica entry is not read at all.
+    accepts: another rank's replica entry is not read at all. ``target(path, stored)``, when
+    given, names the tensor a saved tensor is loaded into (a sharded load, see the module
+    docstring); where it gives None the tensor is rebuilt whole.
     """
 
-    def __init__(self, *args: Any, skip: Callable[[tuple], bool] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, skip: Callable[[tuple], bool] | None = None,
+                 target: LoadTarget | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.skip = skip
+        self.target = target
+
+    def set_up_planner(self, state_dict: dict, metadata: dcp_metadata.Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """The state rebuilt from ``metadata`` (as ``_EmptyStateDictLoadPlanner`` does), each tensor in
+        the place ``target`` names or else a fresh whole one."""
+        if state_dict or metadata is None:
+            raise ValueError("SafeLoadPlanner builds the state itself: pass {} and read the metadata first")
+        for key, stored in metadata.state_dict_metadata.items():
+            if not self._should_include_key(key, metadata):
+                continue
+            path = (metadata.planner_data or {}).get(key)
+            value: Any = stored
+            if isinstance(stored, dcp_metadata.TensorStorageMetadata):
+                value = self.target(tuple(path), stored) if self.target is not None and path is not None else None
+                if value is None:
+                    value = torch.empty(stored.size, dtype=stored.properties.dtype)
+            if path is not None:
+                set_element(state_dict, path, value)
+            else:
+                state_dict[key] = value
+        DefaultLoadPlanner.set_up_planner(self, state_dict, metadata, is_coordinator)
 
     def _should_include_key(self, key: str, metadata: dcp_metadata.Metadata) -> bool:
         if self.skip is not None:

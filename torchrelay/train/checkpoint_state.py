@@ -28,6 +28,8 @@ Contract:
 - Under ``balance: throughput`` the shares of the global batch are part of the state: a
   resumed job trains the rest of its epoch with the split it had (``position`` steps of the
   global batch are behind it, whatever the split was, so no sample is seen twice or missed).
+- Under fsdp ``restore()`` is a sharded load: each rank reads only its shards of the model and
+  of its optimizer state (checkpoint_shards), resharding from any world size.
 - ``restore()`` and ``save()`` are collective: call them on every rank. A save the store fails is
   reported and training goes on (``save``'s docstring).
 """
@@ -42,6 +44,7 @@ import torch
 
 from torchrelay.errors import StorageError
 from torchrelay.train.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
+from torchrelay.train.checkpoint_shards import shard_target
 from torchrelay.train.report import report
 from torchrelay.train.resumable import is_resumable
 from torchrelay.train.session import current_session
@@ -193,8 +196,11 @@ class TrainState:
         report(self.step, checkpoint_failures=self.save_failures, checkpoint_failed_step=step)
 
     def restore(self) -> bool:
-        """Load the newest checkpoint that verifies; False (nothing changed) when there is none. Collective."""
-        loaded = load_checkpoint()
+        """Load the newest checkpoint that verifies; False (nothing changed) when there is none. Collective.
+
+        Under fsdp (a model holding DTensors) each rank reads only its own shards of the model's
+        parameters and their optimizer state, whatever world size saved them (checkpoint_shards)."""
+        loaded = load_checkpoint(target=lambda: shard_target(self.model, self.optimizer))
         if loaded is None:
             return False
         self.load_state_dict(loaded[0])

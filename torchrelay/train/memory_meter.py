@@ -6,7 +6,10 @@
 - parameters: the rank's own tensors (a sharded parameter's local shard), plus
   ``gathered_bytes`` — the largest FSDP unit gathered whole during its forward and backward;
 - gradients: the same for ``.grad`` (plus the gathered unit's gradient before it is reduced);
-- optimizer state: every tensor in the optimizer's ``state`` (local shards);
+- optimizer state: every tensor in the optimizer's ``state`` (local shards; ``optimizer`` may be
+  None: a parameter-server worker holds none, its servers do);
+- ``staging``: bytes held besides the model's own tensors, added to each kind (a GPU
+  parameter-server worker's CPU copies of its parameters and gradients);
 - activations: bytes of the tensors autograd saved for backward during one forward of
   ``model`` (storages counted once; parameters and views of them left out), measured with
   ``torch.autograd.graph.saved_tensors_hooks`` over the first ``measure_forwards`` forwards in
@@ -33,15 +36,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_bytes(tensors: Any) -> int:
-    """Bytes of this rank's part of ``tensors`` (shared storages once)."""
-    seen: dict[int, int] = {}
+    """Bytes of this rank's part of ``tensors``; a tensor met twice (a shared weight) counts once.
+
+    Tensors are told apart by where their data starts and how many bytes they span, not by
+    storage: the parameter server's parameters (and sync's gradients) are views of one flat
+    buffer each, and every view counts."""
+    seen: set[tuple[int, int, int]] = set()
+    total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
             local = _local(t)
             if local.device.type == "meta":
                 continue
-            seen[local.untyped_storage().data_ptr() or id(local)] = local.numel() * local.element_size()
-    return sum(seen.values())
+            nbytes = local.numel() * local.element_size()
+            key = (local.data_ptr() or id(local), nbytes, local.device.index or 0)
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+    return total
 
 
 def _parameter_like(t: torch.Tensor) -> bool:
@@ -53,10 +65,11 @@ class MemoryMeter:
     """Peak memory of one rank, by kind (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, gathered_bytes: int = 0,
-                 measure_forwards: int = 3) -> None:
+                 staging: MemoryFigures | None = None, measure_forwards: int = 3) -> None:
         self.model = model
         self.optimizer = optimizer
         self.gathered_bytes = gathered_bytes
+        self.staging = staging or MemoryFigures()
         self.peak = MemoryFigures()
         self._left = measure_forwards
         self._saved: dict[int, int] = {}
@@ -108,9 +121,9 @@ class MemoryMeter:
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         state = [v for per_param in getattr(self.optimizer, "state", {}).values() for v in per_param.values()]
-        self._raise(parameters=local_bytes(params) + self.gathered_bytes,
-                    gradients=local_bytes(grads) + (self.gathered_bytes if grads else 0),
-                    optimizer_state=local_bytes(state))
+        self._raise(parameters=local_bytes(params) + self.gathered_bytes + self.staging.parameters,
+                    gradients=local_bytes(grads) + (self.gathered_bytes if grads else 0) + self.staging.gradients,
+                    optimizer_state=local_bytes(state) + self.staging.optimizer_state)
         return self.peak
 
     def metrics(self) -> dict[str, float]:

@@ -15,7 +15,12 @@ Contract:
   ``i`` initialised with seed ``seed + i``); blocks already on a device are moved.
 - Rank 0 writes the plan to ``$RELAY_METRICS_DIR/pipeline-plan.json`` (``publish_plan``)
   when that variable is set, for ``relay status`` to show.
-- ``data_parallel: fsdp`` (with ``replicas`` ≥ 2): each stage's blocks are sharded over the
+- ``tensor_parallel: k`` (with ``data_parallel: fsdp``): a (dp × pp × tp) mesh, rank =
+  (replica × stages + stage) × k + t; each stage replica is k ranks that split its blocks'
+  attention and MLP linears (train.sharded.tensor_parallel) before FSDP shards them over the
+  replicas, all k fed the same micro-batches, each sending to and receiving from its own
+  place ``t`` in the neighbouring stages (torchtitan's meta → split → TP → FSDP → materialise).
+- ``data_parallel: fsdp`` (with ``replicas`` ≥ 2, or tensor parallel): each stage's blocks are sharded over the
   stage's replicas in torchtitan's order — meta blocks, the plan (made with each rank's sharded
   memory, ``sharded_costs``), ``fully_shard`` per block, then materialised one block at a time
   (train.sharded.stages) — and rank 0 saves the mesh and what each rank holds as the artifact
@@ -108,8 +113,9 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _stage_ranks(num_stages: int, replicas: int) -> list[list[int]]:
-    return [[r * num_stages + k for k in range(num_stages)] for r in range(replicas)]
+def _stage_ranks(num_stages: int, replicas: int, tp: int = 1, t: int = 0) -> list[list[int]]:
+    """Per replica, the ranks of its stages at tensor-parallel place ``t`` (rank = (replica × stages + stage) × tp + t)."""
+    return [[(r * num_stages + k) * tp + t for k in range(num_stages)] for r in range(replicas)]
 
 
 def _resolve_strategy(strategy: PipelineStrategy | dict | None, ctx) -> PipelineStrategy:
@@ -139,6 +145,17 @@ def _process_groups(layout: list[list[int]], rank: int, stage: int) -> tuple:
             if k == stage:
                 dp_group = g
     return pp_group, dp_group
+
+
+def _groups(shape, layout: list[list[int]], rank: int, stage: int, device: torch.device) -> tuple:
+    """``(mesh or None, pipeline group, data-parallel group)``. With tensor parallel the (dp, pp, tp) mesh
+    makes every group, on every rank in the same order; without, ``_process_groups``. Collective."""
+    if shape.tp == 1:
+        return (None, *_process_groups(layout, rank, stage))
+    from torchrelay.train.sharded.prepare import build_mesh
+
+    mesh = build_mesh(shape, device.type)
+    return mesh, mesh.get_group("pp"), mesh.get_group("dp")
 
 
 def _lean_runner(the_plan: Plan, own: dict[int, nn.Module], layout: list[list[int]], stage: int,
@@ -195,13 +212,14 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     strategy = _resolve_strategy(strategy, ctx)
     blocks = as_blocks(blocks)
     world, rank = dist.get_world_size(), dist.get_rank()
-    replicas = strategy.replicas
-    num_stages = world // replicas if strategy.stages == "auto" else strategy.stages
-    if num_stages * replicas != world or num_stages < 1:
-        raise InvalidSpec(f"pipeline: stages={strategy.stages} × replicas={replicas} needs "
-                          f"{num_stages * replicas} workers but the job has {world}; set "
-                          f"workers to stages × replicas")
-    if strategy.data_parallel == "fsdp" and replicas < 2:
+    replicas, tp = strategy.replicas, strategy.tensor_parallel
+    num_stages = world // (replicas * tp) if strategy.stages == "auto" else strategy.stages
+    if num_stages * replicas * tp != world or num_stages < 1:
+        with_tp = f" × tensor_parallel={tp}" if tp > 1 else ""
+        raise InvalidSpec(f"pipeline: stages={strategy.stages} × replicas={replicas}{with_tp} needs "
+                          f"{num_stages * replicas * tp} workers but the job has {world}; set "
+                          f"workers to stages × replicas{' × tensor_parallel' if tp > 1 else ''}")
+    if strategy.data_parallel == "fsdp" and replicas < 2 and tp == 1:
         raise InvalidSpec(f"pipeline: data_parallel 'fsdp' shards each stage over its replicas, and "
                           f"replicas={replicas} leaves none to shard over; set replicas >= 2")
     device = torch.device(device) if device is not None else getattr(ctx, "device", None) \
@@ -219,17 +237,21 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
     if runtime == "lean" and interleaved:
         raise InvalidSpec("pipeline: the lean runtime runs gpipe and 1f1b; use runtime='torch' "
                           "for interleaved_1f1b")
-    stage, replica = rank % num_stages, rank // num_stages
+    from torchrelay.train.sharded.layout import MeshShape
+
+    place = MeshShape(pp=num_stages, dp=replicas, tp=tp).coordinates(rank)
+    stage, replica = place["pp"], place["dp"]
 
     the_plan = _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample,
                           sample_target, loss_fn, device, optimizer_factory, mem_cap_bytes, seed,
                           refine)
 
-    layout = _stage_ranks(num_stages, replicas)
-    pp_group, dp_group = _process_groups(layout, rank, stage)
+    layout = _stage_ranks(num_stages, replicas, tp, place["tp"])
+    mesh, pp_group, dp_group = _groups(MeshShape(pp=num_stages, dp=replicas, tp=tp), layout, rank, stage, device)
 
     my_plan_stages = [stage + v * num_stages for v in range(chunks_per_rank)]
-    own = _own_blocks(blocks, the_plan, my_plan_stages, device, seed, strategy, dp_group, rank, num_stages)
+    own = _own_blocks(blocks, the_plan, my_plan_stages, device, seed, strategy, dp_group, rank, num_stages,
+                      mesh)
     if strategy.data_parallel == "fsdp":
         dp_group = None  # each sharded block reduce-scatters its own gradients over the replicas
 
@@ -250,22 +272,25 @@ def prepare(blocks: nn.Module | Sequence[nn.Module], loss_fn: Callable,
 
 
 def _own_blocks(blocks, the_plan: Plan, my_plan_stages: list[int], device: torch.device, seed: int,
-                strategy: PipelineStrategy, dp_group, rank: int, num_stages: int) -> dict[int, nn.Module]:
+                strategy: PipelineStrategy, dp_group, rank: int, num_stages: int, mesh=None) -> dict[int, nn.Module]:
     """This rank's blocks on ``device``: materialised (block ``i`` under ``seed + i``) or moved, or under
-    ``data_parallel: fsdp`` sharded over the stage's replicas and then materialised. Collective under fsdp."""
+    ``data_parallel: fsdp`` split over the stage's tensor-parallel group (``mesh``'s ``tp``, when given),
+    sharded over its replicas and then materialised. Collective under fsdp."""
     indices = [i for ps in my_plan_stages for i in the_plan.stages[ps].blocks]
     if strategy.data_parallel != "fsdp":
         return {i: materialize_module(blocks[i], device, seed + i) if is_on_meta(blocks[i])
                 else blocks[i].to(device) for i in indices}
-    from torchrelay.train.sharded.layout import mesh_shape
+    from torchrelay.train.sharded.layout import MeshShape
     from torchrelay.train.sharded.prepare import publish_layout
     from torchrelay.train.sharded.stages import shard_stage_blocks, stage_holding
 
-    own = shard_stage_blocks({i: blocks[i] for i in indices}, dp_group, device, seed,
-                             lambda template, block_seed: materialize_module(template, "cpu", block_seed))
-    shape = mesh_shape(dist.get_world_size(), stages=num_stages)
+    tp = strategy.tensor_parallel
+    own, split = shard_stage_blocks({i: blocks[i] for i in indices}, dp_group, device, seed,
+                                    lambda template, block_seed: materialize_module(template, "cpu", block_seed),
+                                    mesh=mesh)
+    shape = MeshShape(pp=num_stages, dp=strategy.replicas, tp=tp)
     full_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
-    publish_layout(shape, stage_holding(rank, shape, own, full_bytes), rank)
+    publish_layout(shape, stage_holding(rank, shape, own, full_bytes, split), rank)
     return own
 
 
@@ -294,6 +319,11 @@ def publish_plan(plan: Plan, env=os.environ) -> str | None:
     return path
 
 
+def _first_rank(plan_stage: int, num_stages: int, strategy: PipelineStrategy) -> int:
+    """The rank that runs ``plan_stage`` in replica 0 at tensor-parallel place 0 (its device speaks for the stage)."""
+    return (plan_stage % num_stages) * strategy.tensor_parallel
+
+
 def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sample_target,
                loss_fn, device, optimizer_factory, mem_cap_bytes, seed, refine) -> Plan:
     schedule = "1f1b" if strategy.schedule == "interleaved_1f1b" else strategy.schedule
@@ -309,8 +339,8 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
                 for i, b in enumerate(blocks)]
         names = [None] * dist.get_world_size()  # stages may sit on different devices
         dist.all_gather_object(names, str(device))
-        devices = [DeviceSpec(f"rank{k % num_stages}:{names[k % num_stages]}")
-                   for k in range(plan_stage_count)]
+        devices = [DeviceSpec(f"rank{_first_rank(k, num_stages, strategy)}:"
+                              f"{names[_first_rank(k, num_stages, strategy)]}") for k in range(plan_stage_count)]
         return plan_from_boundaries(unit, devices, bounds, microbatches=strategy.microbatches,
                                     schedule=schedule)
     if sample is None:
@@ -329,19 +359,22 @@ def _make_plan(blocks, plan, plan_stage_count, num_stages, strategy, sample, sam
     if cap is None and device.type == "cuda":
         cap = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     if strategy.data_parallel == "fsdp":  # each rank holds 1/replicas of its stage, plus one block gathered
-        costs, reserve = sharded_costs(costs, strategy.replicas)
+        # (tensor parallel splits only a stage's attention and MLP linears: counted as if it split all, a
+        # plan that is optimistic for embeddings and heads)
+        costs, reserve = sharded_costs(costs, strategy.replicas * strategy.tensor_parallel)
         cap = None if cap is None else max(0, cap - reserve)
     # each rank's own block times, device and memory cap: stages may sit on different devices
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, ([c.time_s for c in costs], str(device), cap))
-    link = measure_link(0, 1, device=device) if dist.get_world_size() > 1 else Link()
+    tp = strategy.tensor_parallel  # stage 1's first rank is rank tp (rank 1 is stage 0's next tp place)
+    link = measure_link(0, tp, device=device) if dist.get_world_size() > tp else Link()
     links = [None] * dist.get_world_size()
     dist.all_gather_object(links, (link.bandwidth_bytes_per_s, link.latency_s))
     link = Link(*links[0])
     devices = []
     for k in range(plan_stage_count):
-        times, device_name, device_cap = per_rank[k % num_stages]
-        devices.append(DeviceSpec(name=f"rank{k % num_stages}:{device_name}",
+        times, device_name, device_cap = per_rank[_first_rank(k, num_stages, strategy)]
+        devices.append(DeviceSpec(name=f"rank{_first_rank(k, num_stages, strategy)}:{device_name}",
                                   mem_cap_bytes=device_cap, block_times_s=tuple(times)))
     chosen = plan_stages(costs, devices, link, strategy.microbatches, schedule)
     if refine > 0 and plan_stage_count == num_stages > 1:
@@ -364,17 +397,18 @@ def _measure_near_optimal(plan, blocks, costs, devices, link, strategy, schedule
     numbers."""
     candidates = near_optimal_cuts(costs, devices, plan, link, strategy.microbatches, schedule,
                                    tolerance=tolerance)
-    stage = dist.get_rank() % num_stages
+    tp = strategy.tensor_parallel
+    stage = (dist.get_rank() // tp) % num_stages
     mine = [time_stage(blocks, bounds[stage], bounds[stage + 1], block_inputs[bounds[stage]],
                        device, loss_fn=loss_fn, sample_target=sample_target, seed=seed)
             for bounds in candidates]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    slowest = [max(everyone[k][i] for k in range(num_stages)) for i in range(len(candidates))]
+    slowest = [max(everyone[k * tp][i] for k in range(num_stages)) for i in range(len(candidates))]
     best = min(range(len(candidates)), key=slowest.__getitem__)
     chosen = plan if best == 0 else plan_from_boundaries(
         costs, devices, candidates[best], link, strategy.microbatches, schedule)
-    measured = tuple(dataclasses.replace(st, compute_s=everyone[k][best])
+    measured = tuple(dataclasses.replace(st, compute_s=everyone[k * tp][best])
                      for k, st in enumerate(chosen.stages))
     timed = ", ".join(f"{bounds[1:-1]} {t * 1e3:.2f} ms" for bounds, t in zip(candidates, slowest))
     note = (f"stage times measured as whole stages; cuts predicted within {tolerance:.0%} "

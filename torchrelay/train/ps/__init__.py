@@ -5,9 +5,11 @@ A job with ``strategy: {kind: parameter_server, servers: S, ...}`` and ``workers
 workers, ranks ``W … W+S-1`` are servers (shard ``rank - W``). The training script is the same
 as for every other strategy; the library calls, on every rank:
 
-- ``run_server_role_if_assigned(ctx)`` — on a server rank it serves until every worker has
-  finished and then ends the process with exit code 0 (it never returns there); on a worker
-  rank, or when the strategy is not ``parameter_server``, it returns at once.
+- ``run_server_role_if_assigned(ctx)`` — on a server rank it reports its shard's memory
+  (``memory_parameters``, ``memory_optimizer_state``, ``memory_training_state``, under
+  ``init()``), serves until every worker has finished and then ends the process with exit
+  code 0 (it never returns there); on a worker rank, or when the strategy is not
+  ``parameter_server``, it returns at once.
 - ``worker_world(ctx) -> (rank, num_workers)`` — the world to shard data over: workers only;
   ``worker_process_group()`` — a workers-only process group for collectives among workers.
 - ``prepare(model, optimizer, strategy, ctx) -> (model, optimizer)`` — on a worker: the model
@@ -38,7 +40,10 @@ from torchrelay.spec import ParameterServerStrategy, Strategy
 from torchrelay.train.environment import parse_strategy
 from torchrelay.train.ps.client import PSOptimizer
 from torchrelay.train.ps.rendezvous import ShardDirectory, advertised_host, resolve_store
-from torchrelay.train.ps.server import serve_shard_supervised
+from torchrelay.train.memory import MemoryFigures
+from torchrelay.train.ps.plan import Plan
+from torchrelay.train.ps.server import buffers_for, serve_shard_supervised, shard_memory
+from torchrelay.train.report import flush, report
 from torchrelay.train.roles import Roles
 from torchrelay.train.session import current_session
 
@@ -86,8 +91,10 @@ def run_server_role_if_assigned(ctx: Any) -> None:
         return
     strategy = strategy_of(ctx)
     directory = ShardDirectory(resolve_store(ctx))
+    plan_json, index = directory.read_plan(), roles.layout.shard_of(roles.rank)
+    _report_shard_memory(shard_memory(Plan.from_json(plan_json).shard(index), buffers_for(strategy.optimizer)))
     serve_shard_supervised(
-        directory.read_plan(), roles.layout.shard_of(roles.rank), num_workers=roles.layout.workers,
+        plan_json, index, num_workers=roles.layout.workers,
         mode=strategy.mode, staleness=strategy.staleness, optimizer=strategy.optimizer, directory=directory,
         host=advertised_host(), max_restarts=int(os.environ.get("RELAY_PS_MAX_SHARD_RESTARTS", "3")))
     # A server rank has nothing left to do. Under the agent's worker supervisor (it sets
@@ -99,6 +106,17 @@ def run_server_role_if_assigned(ctx: Any) -> None:
     if os.environ.get("RELAY_RANK_STATUS_DIR"):
         raise SystemExit(0)
     os._exit(0)
+
+
+def _report_shard_memory(figures: MemoryFigures) -> None:
+    """A server rank's ``memory_parameters``, ``memory_optimizer_state`` and ``memory_training_state``
+    (its shard's, ``server.shard_memory``), reported once at step 0 and flushed, when the rank runs
+    under ``torchrelay.train.init()`` (a job: ``relay metrics`` shows them); elsewhere nothing."""
+    if current_session().context is None:
+        return
+    metrics = figures.as_metrics()
+    report(0, **{k: metrics[k] for k in ("memory_parameters", "memory_optimizer_state", "memory_training_state")})
+    flush()
 
 
 def worker_process_group() -> Any:

@@ -18,7 +18,10 @@ Contract:
   Raises ``ProtocolError`` if a server refuses a message, ``TimeoutError`` if a shard stays
   unreachable for ``reconnect_timeout_s``.
 - ``zero_grad()`` zeroes the gradient buffer (the views stay in place whatever
-  ``set_to_none`` says). ``metrics()`` returns and resets the figures since the last call.
+  ``set_to_none`` says). ``metrics()`` returns and resets the figures since the last call,
+  with the ``memory_*`` peaks every data-parallel strategy reports (``train.memory_meter``):
+  this worker's parameters and gradients (the flat buffers' views; on a GPU worker its CPU
+  staging copies too), optimizer state 0 (the servers hold it), and activations.
 - ``state_dict()`` gathers every shard's parameters, optimizer buffers and clocks into
   full tensors keyed by parameter name (independent of how many servers there are);
   ``load_state_dict(sd)`` scatters it back. Call it on every worker: the servers apply a
@@ -41,6 +44,8 @@ from typing import Any
 
 import torch
 
+from torchrelay.train.memory import MemoryFigures
+from torchrelay.train.memory_meter import MemoryMeter
 from torchrelay.train.prepared import StrategyOptimizer
 from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import ITEMSIZE, ParamSpec, Plan, make_plan
@@ -234,6 +239,8 @@ class PSOptimizer(StrategyOptimizer):
         self.plan = plan
         self.shards = [plan.shard(i) for i in range(servers)]
         self.flat = FlatModel(model, plan)
+        staging = 0 if self.flat.on_cpu else plan.total_nbytes  # CPU copies of a GPU model's tensors
+        self.meter = MemoryMeter(model, None, staging=MemoryFigures(parameters=staging, gradients=staging))
         region = self.flat.region
         self.links = [_ShardLink(i, directory, reconnect_timeout_s, region,
                                  self._header(P.Op.ATTACH, i, payload_len=P.ATTACH.size)) for i in range(servers)]
@@ -329,7 +336,8 @@ class PSOptimizer(StrategyOptimizer):
 
     def metrics(self) -> dict[str, float]:
         """Figures since the previous call: push/pull bytes per second of network time, the
-        staleness the servers observed (max and mean per step), server queue depth."""
+        staleness the servers observed (max and mean per step), server queue depth; and the
+        ``memory_*`` peaks so far (see the module docstring)."""
         net = self._net_s or float("nan")
         out = {
             "ps_push_bytes_per_s": self._bytes_pushed / net if self._staleness else 0.0,
@@ -340,6 +348,7 @@ class PSOptimizer(StrategyOptimizer):
             "ps_reconnects": float(sum(link.reconnects for link in self.links)),
             "ps_shm_shards": float(sum(link.shm for link in self.links)),
             "ps_steps": float(len(self._staleness)),
+            **self.meter.metrics(),
         }
         self._reset_metrics()
         return out
@@ -427,6 +436,7 @@ class PSOptimizer(StrategyOptimizer):
             if self._closed:
                 return
             self._closed = True
+        self.meter.close()
         try:  # sequential: at interpreter exit the thread pool no longer takes work
             for i, link in enumerate(self.links):
                 # a worker exiting because the job is going down must not hang here

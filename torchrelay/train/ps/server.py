@@ -54,6 +54,7 @@ from torch.optim.adam import adam as adam_step
 from torch.optim.sgd import sgd as sgd_step
 
 from torchrelay.spec import ServerOptimizer
+from torchrelay.train.memory import MemoryFigures
 from torchrelay.train.ps import protocol as P
 from torchrelay.train.ps.plan import Plan, Segment, ShardPlan
 from torchrelay.train.ps.rendezvous import ShardDirectory
@@ -72,6 +73,15 @@ def buffers_for(optimizer: ServerOptimizer) -> tuple[str, ...]:
     if optimizer.name == "adam":
         return ("exp_avg", "exp_avg_sq")
     return ("momentum_buffer",) if optimizer.momentum > 0 else ()
+
+
+def shard_memory(shard: ShardPlan, buffer_names: tuple[str, ...]) -> MemoryFigures:
+    """What a shard's state holds for its whole life (``ShardState``, allocated once): its parameters'
+    bytes and its optimizer state (one shard-sized buffer per ``buffer_names``, and the step count
+    kept per segment). Gradients are not in it: a push's bytes land in a receive buffer per worker
+    connection (TCP) or are read in place (shared memory). Pure."""
+    steps = len(shard.segments) * torch.float32.itemsize
+    return MemoryFigures(parameters=shard.nbytes, optimizer_state=shard.nbytes * len(buffer_names) + steps)
 
 
 def typed_views(flat: torch.Tensor, segments: tuple[Segment, ...]) -> list[torch.Tensor]:

@@ -39,27 +39,40 @@ def fill_from_full(sharded: nn.Module, full: nn.Module) -> None:
 
 
 def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.device, seed: int,
-                       materialize: Callable[[nn.Module, int], nn.Module]) -> dict[int, nn.Module]:
-    """``own`` with every block sharded over ``dp_group`` (see the module docstring)."""
+                       materialize: Callable[[nn.Module, int], nn.Module],
+                       mesh: Any = None) -> tuple[dict[int, nn.Module], list[str]]:
+    """``own`` with every block sharded over ``dp_group`` (see the module docstring), and the linears split
+    by tensor parallel (``"<block>.<name>"``). With ``mesh`` (the pipeline's (dp, pp, tp) mesh, tensor
+    parallel) each block's attention and MLP linears are first split over ``mesh["tp"]``, then the block is
+    sharded over ``mesh["dp"]``: a meta block is split and sharded on meta and only then materialised."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(dp_group, device.type, mesh_dim_names=("dp",))
+    from torchrelay.train.sharded.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
+
+    tp = mesh["tp"].size() if mesh is not None else 1
+    dp_mesh = mesh["dp"] if mesh is not None else DeviceMesh.from_group(dp_group, device.type,
+                                                                         mesh_dim_names=("dp",))
+    split: list[str] = []
     for i, block in own.items():
         on_meta = any(p.device.type == "meta" for p in block.parameters())
         template = copy.deepcopy(block) if on_meta else None
         if not on_meta:
             block.to(device)
-        fully_shard(block, mesh=mesh)
+        plan = tensor_parallel_plan(block, tp, allow_empty=True) if tp > 1 else {}
+        if plan:
+            split += [f"{i}.{name}" for name in apply_tensor_parallel(block, mesh["tp"], plan)]
+        fully_shard(block, mesh=dp_mesh)
         if template is not None:
             block.to_empty(device=device)
             fill_from_full(block, materialize(template, seed + i))
-    return own
+    return own, split
 
 
-def stage_holding(rank: int, shape: MeshShape, own: dict[int, nn.Module], full_bytes: int) -> Holding:
+def stage_holding(rank: int, shape: MeshShape, own: dict[int, nn.Module], full_bytes: int,
+                  split: list[str] = ()) -> Holding:
     return Holding(rank=rank, coordinates=shape.coordinates(rank),
                    blocks=tuple(f"{i}:{type(b).__name__}" for i, b in sorted(own.items())),
                    units=tuple(str(i) for i in sorted(own)),
                    parameter_bytes=local_bytes(p for b in own.values() for p in b.parameters()),
-                   full_parameter_bytes=full_bytes)
+                   full_parameter_bytes=full_bytes, tensor_parallel_modules=tuple(split))

@@ -48,13 +48,14 @@ def _mlp_pairs(prefix: str, seq: nn.Sequential) -> dict[str, str]:
     return plan
 
 
-def tensor_parallel_plan(model: nn.Module, degree: int = 2) -> dict[str, str]:
-    """``{linear name: "colwise" | "rowwise"}`` for ``model`` (see the module docstring)."""
+def tensor_parallel_plan(model: nn.Module, degree: int = 2, *, allow_empty: bool = False) -> dict[str, str]:
+    """``{linear name: "colwise" | "rowwise"}`` for ``model`` (see the module docstring). ``allow_empty``:
+    ``{}`` rather than ``InvalidSpec`` for a model with nothing to split (a pipeline's embedding block)."""
     plan: dict[str, str] = {}
     declared: list[str] = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if any(name == d or name.startswith(f"{d}.") for d in declared):
+        if any(d == "" or name == d or name.startswith(f"{d}.") for d in declared):  # "": the root declared
             continue
         own = getattr(module, "tensor_parallel_plan", None)
         if callable(own):
@@ -66,7 +67,7 @@ def tensor_parallel_plan(model: nn.Module, degree: int = 2) -> dict[str, str]:
             plan.update({f"{prefix}{k}": v for k, v in dict(own()).items()})
         elif isinstance(module, nn.Sequential):
             plan.update(_mlp_pairs(prefix, module))
-    if not plan:
+    if not plan and not allow_empty:
         raise InvalidSpec("strategy.tensor_parallel > 1 but the model has nothing to split: no module defines "
                           "tensor_parallel_plan() and no Sequential holds Linear, activation, Linear; use "
                           "tensor_parallel: 1 or declare a plan (docs/strategies.md)")
