@@ -154,6 +154,10 @@ def test_dry_run_prints_the_batch_script_and_a_job_that_never_fits_is_refused_wi
     assert "#SBATCH --partition=debug" in script and "#SBATCH --nodes=2" in script
     assert "-m torchrelay.agent.slurm_step" in script
     assert relay.service.dryrun({"entrypoint": "python x.py"}, None)["submission"] is None
+    het = relay.service.dryrun({"entrypoint": "python t.py", "executor": "slurm", "workers": 2, "strategy": {
+        "kind": "parameter_server", "servers": 1, "server_resources": {"cpu": 3}}}, None)["submission"]
+    assert "#SBATCH hetjob" in het and "#SBATCH --cpus-per-task=3" in het
+    assert "srun --het-group=0 " in het and "srun --het-group=1 " in het
 
     with pytest.raises(Unschedulable) as err:
         relay.submit(PLAIN, entrypoint="python allreduce.py", workers=3, nodes=3, workers_per_node=1)
