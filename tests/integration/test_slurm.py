@@ -333,6 +333,26 @@ def test_usr1_is_checkpoint_and_stop_and_a_requeued_job_continues_without_counti
     assert any("adopted as attempt 3" in m for m in messages), messages
 
 
+def test_a_requeued_slurm_job_its_job_was_cancelled_before_adopting_is_cancelled_too(relay):
+    """The executor's loop is stopped and stepped by hand, so that the job is cancelled between
+    the step that saw Slurm's requeue and the one that would have adopted the Slurm job."""
+    job = relay.submit(PLAIN, entrypoint="python allreduce.py sleep", stop_grace_s=5)
+    relay.wait(job, lambda info: info.state == JobState.RUNNING, what="RUNNING")
+    slurm_id = relay.slurm_id(job)
+    relay.executor.stop()
+    relay.slurm.run("scontrol", "requeue", slurm_id)
+    deadline = time.monotonic() + 60
+    while relay.service.get_job(job).state != JobState.QUEUED:  # the requeue seen: the attempt ended, not adopted
+        assert time.monotonic() < deadline, relay.describe(job)
+        relay.executor.step(poll=True)
+        time.sleep(0.5)
+    assert (Path(relay.executor.config.attempt_dir(job, 1)) / "requeued.json").exists()
+    assert relay.service.cancel(job).state == JobState.CANCELLED
+    relay.executor.step()
+    chaos.wait_until(lambda: _queue_of(relay, slurm_id) == [], 30, "the requeued Slurm job to be cancelled")
+    assert relay.executor.commands.calls["sbatch"] == 1 and relay.service.get_job(job).attempt == 1
+
+
 def _skip_the_requeue_hold(relay: Relay, slurm_id: str) -> None:
     """Slurm 22.05 makes a requeued job wait 121 s (Reason=BeginTime, EligibleTime = requeue +
     121 s) before it may start again; an administrator's ``scontrol update StartTime=now``
