@@ -57,7 +57,8 @@ def test_a_component_of_a_heterogeneous_job_takes_its_groups_share(group, node, 
 
 @pytest.mark.parametrize("group, env, words", [
     (2, SLURM, "group 2 is not one of the attempt's 2 group(s)"),
-    (1, {**SLURM, "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "2"}, "group 1 of the attempt was planned for 1 node(s)"),
+    (1, {**SLURM, "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "2"},
+     "group 1 of the attempt was planned for 1 node(s)"),
 ])
 def test_a_task_of_a_group_that_does_not_match_the_plan_is_refused(group, env, words):
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -363,7 +363,8 @@ def render_batch_script(sub: Submission) -> str:
     cfg, q = sub.config, shlex.quote
     kind = ("a heterogeneous job: one component per role, " + ", ".join(g.role for g in sub.shape.groups)
             if sub.shape.hetjob else "one step")
-    lines = ["#!/bin/bash", f"# torchrelay: {sub.name}; written by the server, submitted with sbatch --parsable; {kind}"]
+    lines = ["#!/bin/bash",
+             f"# torchrelay: {sub.name}; written by the server, submitted with sbatch --parsable; {kind}"]
     lines += _options(sub)
     lines += ["set -u", *_adopted_run(sub.attempt_dir),
               "# node 0 (this host) picks the rendezvous port; every task reads it from the environment",

@@ -126,8 +126,8 @@ def leader_id(job_id: str) -> str:
 def _merged(first: SlurmJob, other: SlurmJob) -> SlurmJob:
     """Two components of one heterogeneous job as one: running while any runs, else component
     0's state (the first seen); the most requeues either had."""
-    state, reason = (other.state, other.reason) if other.running and not first.running else (first.state, first.reason)
-    return SlurmJob(first.job_id, state, reason, first.exit_code, max(first.restarts, other.restarts))
+    shown = other if other.running and not first.running else first
+    return SlurmJob(first.job_id, shown.state, shown.reason, first.exit_code, max(first.restarts, other.restarts))
 
 
 def parse_squeue(text: str) -> dict[str, SlurmJob]:
@@ -143,7 +143,10 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
             job = SlurmJob(job_id, _state(fields[1]), fields[2] if len(fields) > 2 else "",
                            restarts=int(restarts) if restarts.isdigit() else 0)
             parts = rows.setdefault(job_id, [])
-            parts.insert(0, job) if fields[0] == job_id else parts.append(job)  # the leader first
+            if fields[0] == job_id:  # the leader (or a job of one component) first
+                parts.insert(0, job)
+            else:
+                parts.append(job)
     out = {}
     for job_id, parts in rows.items():
         job = parts[0]
