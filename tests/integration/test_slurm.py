@@ -154,6 +154,10 @@ def test_dry_run_prints_the_batch_script_and_a_job_that_never_fits_is_refused_wi
     assert "#SBATCH --partition=debug" in script and "#SBATCH --nodes=2" in script
     assert "-m torchrelay.agent.slurm_step" in script
     assert relay.service.dryrun({"entrypoint": "python x.py"}, None)["submission"] is None
+    het = relay.service.dryrun({"entrypoint": "python t.py", "executor": "slurm", "workers": 2, "strategy": {
+        "kind": "parameter_server", "servers": 1, "server_resources": {"cpu": 3}}}, None)["submission"]
+    assert "#SBATCH hetjob" in het and "#SBATCH --cpus-per-task=3" in het
+    assert "srun --het-group=0 " in het and "srun --het-group=1 " in het
 
     with pytest.raises(Unschedulable) as err:
         relay.submit(PLAIN, entrypoint="python allreduce.py", workers=3, nodes=3, workers_per_node=1)
@@ -222,14 +226,20 @@ def test_digits_on_two_slurm_nodes_reaches_095_with_logs_like_an_agents(relay):
 
 
 @pytest.mark.slow
-def test_a_parameter_server_job_runs_its_servers_as_the_ranks_after_the_workers(relay):
+def test_a_parameter_server_job_places_its_roles_as_two_components_of_a_heterogeneous_job(relay):
     job = relay.submit(DIGITS, entrypoint="python train.py --epochs 3 --batch-size 32", workers=2,
                        strategy={"kind": "parameter_server", "servers": 1, "mode": "sync",
-                                 "optimizer": {"name": "adam", "lr": 0.003}, "server_resources": {"cpu": 2}})
+                                 "optimizer": {"name": "adam", "lr": 0.003}, "server_resources": {"cpu": 3}})
+    relay.wait(job, lambda info: info.state == JobState.RUNNING, what="RUNNING")
+    slurm_id = relay.slurm_id(job)
+    listed = relay.slurm.run("squeue", "-h", "-j", slurm_id, "-o", "%i|%C", check=False).stdout.split()
+    assert sorted(listed) == [f"{slurm_id}+0|2", f"{slurm_id}+1|3"], listed  # each component its own shape
     info = relay.wait(job, timeout=280)
     assert info.state == JobState.SUCCEEDED, relay.describe(job)
-    assert [p.workers for p in info.placement] == [3]  # one node: 2 workers and the server, 2 CPUs each
-    assert "--cpus-per-task=6" in (Path(relay.executor.config.attempt_dir(job, 1)) / "job.sbatch").read_text()
+    assert [p.workers for p in info.placement] == [2, 1]  # the workers' node, then the server's
+    attempt_dir = Path(relay.executor.config.attempt_dir(job, 1))
+    assert "#SBATCH hetjob" in (attempt_dir / "job.sbatch").read_text()
+    assert (attempt_dir / "node-1" / "logs" / "rank-2.log").exists()  # the server: rank 2, in the second component
     accuracy = [float(m.group(1)) for x in relay.service.logs(job).lines
                 if (m := re.match(r"test_accuracy=([0-9.]+)$", x.text))]
     assert accuracy and accuracy[0] >= 0.9, relay.describe(job)
@@ -298,16 +308,20 @@ def test_usr1_is_checkpoint_and_stop_and_a_requeued_job_continues_without_counti
     """``--signal=B:USR1@90`` warns a job's batch shell 90 s before its time limit: ``scancel -b -s
     USR1`` sends the same signal now. Then ``scontrol requeue`` does what a preemption with
     requeue does (every process of the job gets SIGTERM, SIGKILL after KillWait, and the job
-    waits in the queue again)."""
+    waits in the queue again): the executor adopts the requeued Slurm job as the next attempt."""
     job = _trainer(relay, "warned", "--sleep 0.2 --epochs 3")
     relay.wait_for_step(job, 1, 8)
     relay.slurm.run("scancel", "-b", "-s", "USR1", relay.slurm_id(job, 1))
     relay.wait(job, lambda info: info.attempt == 2 and info.state == JobState.RUNNING, what="attempt 2")
     relay.wait_for_step(job, 2, max(relay.metric_steps(job, 1)) + 8)
     relay.slurm.run("scontrol", "requeue", relay.slurm_id(job, 2))
+    _skip_the_requeue_hold(relay, relay.slurm_id(job, 2))
     info = relay.wait(job)
     assert info.state == JobState.SUCCEEDED, relay.describe(job)
     assert (info.attempt, info.restarts) == (3, 0), relay.describe(job)
+    # the requeued Slurm job is adopted as attempt 3: the same Slurm job, no other sbatch
+    assert relay.slurm_id(job, 3) == relay.slurm_id(job, 2) != relay.slurm_id(job, 1)
+    assert relay.executor.commands.calls["sbatch"] == 2, relay.describe(job)
     # the launchers stopped their workers, which checkpointed the step they were on: all of it reported
     (resumed,) = relay.resumed_from(job, 2)
     assert resumed == max(relay.metric_steps(job, 1)), relay.describe(job)
@@ -316,6 +330,39 @@ def test_usr1_is_checkpoint_and_stop_and_a_requeued_job_continues_without_counti
     assert max(relay.metric_steps(job, 2)) - INTERVAL <= resumed, relay.describe(job)
     messages = [e.message for e in info.events]
     assert any("SIGUSR1" in m for m in messages) and any("requeued" in m for m in messages), messages
+    assert any("adopted as attempt 3" in m for m in messages), messages
+
+
+def test_a_requeued_slurm_job_its_job_was_cancelled_before_adopting_is_cancelled_too(relay):
+    """The executor's loop is stopped and stepped by hand, so that the job is cancelled between
+    the step that saw Slurm's requeue and the one that would have adopted the Slurm job."""
+    job = relay.submit(PLAIN, entrypoint="python allreduce.py sleep", stop_grace_s=5)
+    relay.wait(job, lambda info: info.state == JobState.RUNNING, what="RUNNING")
+    slurm_id = relay.slurm_id(job)
+    relay.executor.stop()
+    relay.slurm.run("scontrol", "requeue", slurm_id)
+    deadline = time.monotonic() + 60
+    while relay.service.get_job(job).state != JobState.QUEUED:  # the requeue seen: the attempt ended, not adopted
+        assert time.monotonic() < deadline, relay.describe(job)
+        relay.executor.step(poll=True)
+        time.sleep(0.5)
+    assert (Path(relay.executor.config.attempt_dir(job, 1)) / "requeued.json").exists()
+    assert relay.service.cancel(job).state == JobState.CANCELLED
+    relay.executor.step()
+    chaos.wait_until(lambda: _queue_of(relay, slurm_id) == [], 30, "the requeued Slurm job to be cancelled")
+    assert relay.executor.commands.calls["sbatch"] == 1 and relay.service.get_job(job).attempt == 1
+
+
+def _skip_the_requeue_hold(relay: Relay, slurm_id: str) -> None:
+    """Slurm 22.05 makes a requeued job wait 121 s (Reason=BeginTime, EligibleTime = requeue +
+    121 s) before it may start again; an administrator's ``scontrol update StartTime=now``
+    lifts that hold, so that the test does not wait for it."""
+    def pending() -> bool:
+        out = relay.slurm.run("squeue", "-h", "-j", slurm_id, "-o", "%T", check=False).stdout.split()
+        return bool(out) and all(state == "PENDING" for state in out)
+
+    chaos.wait_until(pending, 60, "the requeued job to wait in the queue")
+    relay.slurm.run("scontrol", "update", f"JobId={slurm_id}", "StartTime=now")
 
 
 @pytest.mark.slow

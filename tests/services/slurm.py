@@ -117,7 +117,7 @@ MessageTimeout=10
 InactiveLimit=0
 KillWait=15
 MinJobAge=300
-SchedulerParameters=sched_interval=2
+SchedulerParameters=sched_interval=2,bf_interval=1
 {nodes}
 PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)

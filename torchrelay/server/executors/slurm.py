@@ -14,6 +14,17 @@ Contract:
   records and exit record from its node folder and reports them as an agent would, carries
   out what ``slurm_status.decide_attempt`` decides, and stops what the server asked to stop
   (``scancel -s TERM``, then ``scancel`` once the job's ``stop_grace_s`` has passed).
+- A parameter-server job is one heterogeneous Slurm job, one component per role
+  (``slurm_batch.shape_of``; ``config.hetjob`` False: one step). Its launches are one per
+  node, the workers' nodes first.
+- When Slurm requeues a job (preemption, ``scontrol requeue``, a node failure) the attempt ends
+  as a preemption (not counted) and the next attempt adopts the same Slurm job: no second
+  ``sbatch``, so it keeps its place in Slurm's queue. The requeue is noted in the ended
+  attempt's folder first (``requeued.json``), so a server restart in between still adopts it;
+  the adopted attempt's folder gets its ``launch.json`` and ``slurm.json``, then the name the
+  run's batch script waits for (``requeued-<RestartCnt>`` in the folder of the attempt that
+  submitted the job). A requeued job whose torchrelay job ends before an attempt adopts it is
+  ``scancel``led.
 - ``sbatch``'s refusal is the job's failure reason, verbatim. A controller that does not
   answer changes no job: the partition's node goes DRAINING with a note (and back to READY
   with a note when it answers again), and every call is retried at the next poll.
@@ -30,21 +41,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from torchrelay.errors import ExecutorUnavailable, StorageError, Unschedulable
-from torchrelay.layout import RankLayout
+from torchrelay.errors import ExecutorUnavailable, NotFound, StorageError, Unschedulable
 from torchrelay.server.assignment import LaunchPlan, launch_assignment, launch_id_of
 from torchrelay.server.control import Control
 from torchrelay.server.executors import Executor, executor_labels
 from torchrelay.server.executors.slurm_batch import (PartitionLimits, SlurmConfig, SlurmShape, Submission,
-                                                     node_shape, parse_sinfo, render_batch_script, shape_of)
+                                                     parse_sinfo, render_batch_script, shape_of)
 from torchrelay.server.executors.slurm_commands import SlurmCommands, SlurmRefused
-from torchrelay.server.executors.slurm_folders import RecordTail, read_exit, unpack_code, write_launch_plan
+from torchrelay.server.executors.slurm_folders import (RecordTail, SlurmRun, name_adopted, read_exit, read_requeued,
+                                                       read_run, unpack_code, write_launch_plan, write_requeued,
+                                                       write_run)
 from torchrelay.server.executors.slurm_status import (AttemptView, LaunchFacts, Rule, SlurmJob, decide_attempt,
                                                       parse_jobcomp, parse_sacct, parse_squeue)
 from torchrelay.server.rows import Database, Rows, touch_node
 from torchrelay.server.scheduling import worker_shape
 from torchrelay.server.views import job_id_of
-from torchrelay.spec import JobSpec, JobState, NodeState
+from torchrelay.spec import JobSpec, JobState, NodeState, ParameterServerStrategy
 from torchrelay.storage import ArtifactStore
 from torchrelay.wire import FailureInfo, LaunchStatus, LogBatch, MetricBatch, NodeRegistration
 
@@ -97,6 +109,8 @@ class SlurmExecutor(Executor):
         self._tails: dict[str, RecordTail] = {}
         self._stopping: dict[str, _Stopping] = {}
         self._fresh: set[tuple[int, int]] = set()  # attempts placed by this process, not yet sbatch'ed
+        self._runs: dict[tuple[str, int], SlurmRun] = {}  # (job, attempt): which run of its Slurm job it is
+        self._unadopted: dict[str, str] = {}  # job -> its Slurm job requeued, not adopted yet
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,7 +124,7 @@ class SlurmExecutor(Executor):
 
     def check(self, spec: JobSpec) -> None:
         if self.limits is not None:
-            shape_of(spec, self.limits)
+            shape_of(spec, self.limits, hetjob=self.config.hetjob)
 
     def dryrun(self, spec: JobSpec, job_id: str) -> str:
         return render_batch_script(self._submission(job_id, 1, self._shape(spec)))
@@ -156,6 +170,7 @@ class SlurmExecutor(Executor):
                     _log.warning("slurm executor %s: cannot read the partition's limits: %s", self.name, exc)
             self._keep_node(host)
             self._place_queued(host)
+            self._drop_unadopted(host)
             live = self._live(host)
             for (seq, attempt), launches in live.items():
                 if launches[0].external_id is None and self._poll.unreachable is None:
@@ -225,7 +240,7 @@ class SlurmExecutor(Executor):
                 self._fresh.add((row.seq, attempt))
                 host.control.record_placement(rows, row, self._plans(row.id, attempt, spec, shape),
                                               f"submitting to Slurm partition {self.config.partition!r} "
-                                              f"({shape.nodes} node(s) × {shape.per_node})", now)
+                                              f"({shape.describe()})", now)
 
     def _waiting(self, rows: Rows, brief: Any) -> bool:
         """Whether the job is this executor's and waits for its next attempt."""
@@ -237,15 +252,20 @@ class SlurmExecutor(Executor):
 
     def _shape(self, spec: JobSpec) -> SlurmShape:
         """The job's shape on the partition (while its limits are unknown: the spec's nodes, else one)."""
-        if self.limits is not None:
-            return shape_of(spec, self.limits)
-        return node_shape(spec, spec.nodes or 1, RankLayout.of_spec(spec).world_size // (spec.nodes or 1))
+        return shape_of(spec, self.limits, hetjob=self.config.hetjob)
 
     def _plans(self, job_id: str, attempt: int, spec: JobSpec, shape: SlurmShape) -> tuple[LaunchPlan, ...]:
-        granted = worker_shape(spec.resources)
-        return tuple(LaunchPlan(id=launch_id_of(job_id, attempt, k), node_id=self.node_id, node_rank=k,
-                                nnodes=shape.nodes, nproc=shape.per_node, rank_offset=k * shape.per_node,
-                                world_size=shape.world, shape=granted) for k in range(shape.nodes))
+        """One launch per node, group after group (workers, then servers): ranks follow node ranks."""
+        plans, node_rank, rank = [], 0, 0
+        for group in shape.groups:
+            servers = group.role == "servers" and isinstance(spec.strategy, ParameterServerStrategy)
+            granted = worker_shape(spec.strategy.server_resources if servers else spec.resources)
+            for _ in range(group.nodes):
+                plans.append(LaunchPlan(id=launch_id_of(job_id, attempt, node_rank), node_id=self.node_id,
+                                        node_rank=node_rank, nnodes=shape.nodes, nproc=group.per_node,
+                                        rank_offset=rank, world_size=shape.world, shape=granted))
+                node_rank, rank = node_rank + 1, rank + group.per_node
+        return tuple(plans)
 
     def _submission(self, job_id: str, attempt: int, shape: SlurmShape) -> Submission:
         return Submission(name=self.config.slurm_name(job_id, attempt), config=self.config, shape=shape,
@@ -254,10 +274,11 @@ class SlurmExecutor(Executor):
     def _submit(self, host: Host, seq: int, attempt: int, launches: list[Any]) -> None:
         """Write the attempt's folder and ``sbatch`` it; record the Slurm id, or fail the job
         with sbatch's words. A controller that does not answer leaves it to a later step; an
-        attempt told to stop before it was submitted just ends. An attempt this process did not
-        just place (its ``sbatch`` may have run without its answer arriving: a timeout, a server
-        restart) is first looked for in Slurm's queue by its job name, so it is never submitted
-        twice."""
+        attempt told to stop before it was submitted just ends. An attempt that follows one
+        Slurm's requeue ended adopts that Slurm job (``_adopt``): no ``sbatch``. An attempt this
+        process did not just place (its ``sbatch`` may have run without its answer arriving: a
+        timeout, a server restart) is first looked for in Slurm's queue by its job name, so it is
+        never submitted twice."""
         job_id = _job_id(launches[0])
         fresh = (seq, attempt) in self._fresh
         self._fresh.discard((seq, attempt))
@@ -267,23 +288,58 @@ class SlurmExecutor(Executor):
         with host.db.read() as rows:
             shape = self._shape(rows.facts(seq).spec)
         attempt_dir = Path(self.config.attempt_dir(job_id, attempt))
+        requeued = read_requeued(Path(self.config.attempt_dir(job_id, attempt - 1))) if attempt > 1 else None
         try:
+            if requeued is not None:
+                self._adopt(host, job_id, attempt, shape, *requeued)
+                return
             found = [] if fresh else self.commands.job_ids_named(self.config.slurm_name(job_id, attempt))
             if found:
                 self._record_submitted(host, job_id, attempt, found[0], "found in Slurm's queue, not submitted again")
                 return
-            self._write_attempt(host, job_id, attempt, attempt_dir)
+            self._write_attempt(host, job_id, attempt, attempt_dir, shape)
             script = attempt_dir / "job.sbatch"
             script.write_text(render_batch_script(self._submission(job_id, attempt, shape)))
             slurm_id = self.commands.sbatch(script, attempt_dir)
         except (SlurmRefused, OSError, StorageError, tarfile.TarError, Unschedulable) as exc:
             with host.db.write() as rows:
-                _fail(rows, rows.job_by_seq(seq), f"sbatch failed: {exc}", host.clock(), attempt=attempt)
+                how = "adopting the requeued Slurm job failed" if requeued is not None else "sbatch failed"
+                _fail(rows, rows.job_by_seq(seq), f"{how}: {exc}", host.clock(), attempt=attempt)
+            if requeued is not None:
+                self._scancel([requeued[0]])
             return
         except ExecutorUnavailable as exc:
             self._controller_down(host, str(exc))
             return
         self._record_submitted(host, job_id, attempt, slurm_id, "submitted")
+
+    def _adopt(self, host: Host, job_id: str, attempt: int, shape: SlurmShape, slurm_id: str, restart: int) -> None:
+        """Attempt ``attempt`` is the run of Slurm job ``slurm_id`` after its ``restart``-th
+        requeue: its folder (``launch.json``, then ``slurm.json``), then the name the run's batch
+        script waits for in the folder of the attempt that submitted the job. Raises ``OSError``
+        and the like (``_submit`` fails the job)."""
+        previous = Path(self.config.attempt_dir(job_id, attempt - 1))
+        base = self._run_of(job_id, attempt - 1, slurm_id, previous).base
+        attempt_dir = Path(self.config.attempt_dir(job_id, attempt))
+        self._write_attempt(host, job_id, attempt, attempt_dir, shape)
+        run = SlurmRun(slurm_id, base, restart)
+        write_run(attempt_dir, run)
+        name_adopted(base, restart, attempt_dir)
+        self._unadopted.pop(job_id, None)
+        self._record_submitted(host, job_id, attempt, slurm_id, f"requeued by Slurm (its restart {restart}) is "
+                               f"adopted as attempt {attempt}: no new sbatch, its place in Slurm's queue kept")
+
+    def _run_of(self, job_id: str, attempt: int, slurm_id: str, attempt_dir: Path) -> SlurmRun:
+        """Which run of its Slurm job the attempt is (read once: ``slurm.json``; none: the
+        attempt submitted the job itself)."""
+        key = (job_id, attempt)
+        run = self._runs.get(key)
+        if run is None or run.slurm_id != slurm_id:
+            run = read_run(attempt_dir)
+            if run is None or run.slurm_id != slurm_id:
+                run = SlurmRun(slurm_id, str(attempt_dir), 0)
+            self._runs[key] = run
+        return run
 
     def _record_submitted(self, host: Host, job_id: str, attempt: int, slurm_id: str, how: str) -> None:
         with host.db.write() as rows:
@@ -293,8 +349,9 @@ class SlurmExecutor(Executor):
             rows.add_event(row, f"Slurm job {slurm_id} {how}", host.clock())
         self.kick()
 
-    def _write_attempt(self, host: Host, job_id: str, attempt: int, attempt_dir: Path) -> None:
-        """The job's code (once) and the attempt's ``launch.json`` on the shared file system."""
+    def _write_attempt(self, host: Host, job_id: str, attempt: int, attempt_dir: Path, shape: SlurmShape) -> None:
+        """The job's code (once) and the attempt's ``launch.json`` on the shared file system:
+        node 0's assignment and each group's shape and worker environment."""
         code_dir = Path(self.config.code_dir(job_id))
         with host.db.read() as rows:
             row = rows.job(job_id)
@@ -303,11 +360,18 @@ class SlurmExecutor(Executor):
             bundle = row.bundle
         if not code_dir.exists():
             unpack_code(code_dir, host.store.get_bytes(ArtifactStore.bundle_key(bundle)) if bundle else None)
+        launches = sorted(launches, key=lambda x: x.node_rank)
         head = launches[0]
         assignment = launch_assignment(
             _Assigned(head, bundle), job_id=job_id, argv=facts.argv(), env=facts.worker_env(head.gpu, None),
             spec_stop_grace_s=facts.spec.stop_grace_s, master=(None, None), store_url=host.store.url)
-        write_launch_plan(attempt_dir, assignment, [x.id for x in launches], code_dir)
+        groups, first = [], 0
+        for group in shape.groups:
+            gpu = launches[first].gpu if first < len(launches) else head.gpu
+            groups.append({"role": group.role, "nodes": group.nodes, "per_node": group.per_node,
+                           "env": facts.worker_env(gpu, None)})
+            first += group.nodes
+        write_launch_plan(attempt_dir, assignment, [x.id for x in launches], code_dir, groups)
 
     @staticmethod
     def _end_unsubmitted(host: Host, seq: int, attempt: int) -> None:
@@ -399,27 +463,55 @@ class SlurmExecutor(Executor):
         live_launches = {x.id for launches in live.values() for x in launches}
         for launch_id in [x for x in self._tails if x not in live_launches]:  # exited: its file is read
             del self._tails[launch_id]
+        live_attempts = {(_job_id(launches[0]), attempt) for (_, attempt), launches in live.items()}
+        for key in [x for x in self._runs if x not in live_attempts]:
+            del self._runs[key]
         for (seq, attempt), launches in live.items():
             slurm_id = launches[0].external_id
             if slurm_id is None:
                 continue  # not submitted yet
             job_id = _job_id(launches[0])
             attempt_dir = Path(self.config.attempt_dir(job_id, attempt))
+            run = self._run_of(job_id, attempt, slurm_id, attempt_dir)
             records = {x.node_rank: read_exit(attempt_dir / f"node-{x.node_rank}" / "exit.json") for x in launches}
             for launch in launches:  # after the exit records: a launch's last lines precede its end
                 self._ship(host, job_id, launch, attempt_dir / f"node-{launch.node_rank}" / "records.jsonl")
             view = AttemptView(
                 slurm=self._poll.jobs.get(slurm_id), unreachable=self._poll.unreachable is not None,
-                missing_polls=self._poll.missing.get(slurm_id, 0),
+                missing_polls=self._poll.missing.get(slurm_id, 0), restarts=run.restart,
                 launches=tuple(LaunchFacts(node_rank=x.node_rank, state=x.state, desired=x.desired,
                                            record=records[x.node_rank],
                                            started=(attempt_dir / f"node-{x.node_rank}").is_dir())
                                for x in launches))
             decision = decide_attempt(view)
+            if decision.adopt and view.slurm is not None and not self._note_requeued(job_id, attempt_dir, view.slurm):
+                continue  # the note could not be written: the next step decides again
             if decision.reports or decision.rule is not None:
                 self._apply(host, seq, attempt, decision)
             if decision.scancel:
                 self._scancel([slurm_id])
+
+    def _note_requeued(self, job_id: str, attempt_dir: Path, slurm: SlurmJob) -> bool:
+        """Slurm requeued the attempt's job and holds it: the next attempt adopts it (noted in
+        the attempt's folder first, so that a server restart in between still adopts it)."""
+        try:
+            write_requeued(attempt_dir, slurm.job_id, slurm.restarts)
+        except OSError as exc:
+            _log.warning("slurm executor %s: cannot note the requeue of Slurm job %s: %s", self.name,
+                         slurm.job_id, exc)
+            return False
+        self._unadopted[job_id] = slurm.job_id
+        return True
+
+    def _drop_unadopted(self, host: Host) -> None:
+        """A requeued Slurm job whose torchrelay job ended (cancelled) before an attempt adopted
+        it is cancelled: nothing is left in Slurm's queue."""
+        if not self._unadopted:
+            return
+        with host.db.read() as rows:
+            ended = [job_id for job_id in self._unadopted if _ended(rows, job_id)]
+        for job_id in ended:
+            self._scancel([self._unadopted.pop(job_id)])
 
     def _ship(self, host: Host, job_id: str, launch: Any, path: Path) -> None:
         logs, metrics = self._tails.setdefault(launch.id, RecordTail()).read(path)
@@ -514,6 +606,13 @@ def _fail(rows: Rows, row: Any, reason: str, now: float, attempt: int | None = N
                              infra=False)
     row.failure = FailureInfo(reason=reason, attempt=row.attempt).model_dump()
     rows.set_state(row, JobState.FAILED, reason, now)
+
+
+def _ended(rows: Rows, job_id: str) -> bool:
+    try:
+        return JobState(rows.job(job_id).state).terminal
+    except NotFound:
+        return True
 
 
 def _job_id(launch: Any) -> str:

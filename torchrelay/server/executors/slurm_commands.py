@@ -11,7 +11,8 @@ Contract:
 - ``squeue(ids)``, ``sacct(ids)``, ``sinfo(partition)``: the command's text in the fixed
   formats of ``slurm_batch`` / ``slurm_status``. Raise ``ExecutorUnavailable`` naming the
   command and its error when it fails (controller down, timeout, command missing).
-- ``job_ids_named(name)``: the ids Slurm still lists under a job name (``squeue --name``).
+- ``job_ids_named(name)``: the ids Slurm still lists under a job name (``squeue --name``), a
+  heterogeneous job's once (its leader's).
 - ``scancel(ids, signal=None)``: one call for all ``ids``; ``signal``: signal the job steps
   only (``scancel -s SIG``), the job is not cancelled. Unknown ids are not an error.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from torchrelay.errors import ExecutorUnavailable, RelayError
 from torchrelay.server.executors.slurm_batch import SINFO_FORMAT
-from torchrelay.server.executors.slurm_status import SACCT_FORMAT, SQUEUE_FORMAT
+from torchrelay.server.executors.slurm_status import SACCT_FORMAT, SQUEUE_FORMAT, leader_id
 
 # squeue's answer when none of the ids is known any more (it exits 1 for that alone)
 _NO_SUCH_JOB = "Invalid job id specified"
@@ -84,8 +85,10 @@ class SlurmCommands:
         return done.stdout
 
     def job_ids_named(self, name: str) -> list[str]:
-        """Ids of the jobs Slurm still lists under ``name`` (any state)."""
-        return self._checked(["squeue", "-h", "-t", "all", "--name", name, "-o", "%i"]).split()
+        """Ids of the jobs Slurm still lists under ``name`` (any state); a heterogeneous job once,
+        by its leader's id (its components ``123+0``, ``123+1`` as ``123``)."""
+        ids = self._checked(["squeue", "-h", "-t", "all", "--name", name, "-o", "%i"]).split()
+        return list(dict.fromkeys(leader_id(x) for x in ids))
 
     def sacct(self, ids: Sequence[str]) -> str:
         return self._checked(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", SACCT_FORMAT])

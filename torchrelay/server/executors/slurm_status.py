@@ -2,13 +2,15 @@
 
 - ``SQUEUE_FORMAT`` / ``parse_squeue``: ``squeue -h -t all -j IDS -O SQUEUE_FORMAT`` text (not
   ``--json``: in 22.05 it ignored ``-j`` and gave exit codes as raw wait statuses) as
-  ``{job id: SlurmJob}``;
+  ``{job id: SlurmJob}``, a heterogeneous job once under its leader's id (``-j LEADER`` lists
+  every component under its own id, ``HetJobID`` the leader's);
 - ``SACCT_FORMAT`` / ``parse_sacct``: ``sacct -n -P -X -j IDS -o SACCT_FORMAT`` likewise;
 - ``parse_jobcomp``: the lines of a ``jobcomp/filetxt`` log (``JobId=.. JobState=..``), where
   accounting is off and a job has left ``squeue``;
-- ``decide_attempt(AttemptView)``: one attempt (one Slurm job) → an ``AttemptDecision``: the
-  status each launch reports, and whether the job was cancelled outside torchrelay, requeued
-  (preempted), or is to fail without a restart (its time limit).
+- ``decide_attempt(AttemptView)``: one attempt (one Slurm job, or one run of it) → an
+  ``AttemptDecision``: the status each launch reports, and whether the job was cancelled
+  outside torchrelay, requeued (preempted: Slurm holds the job again, and the executor adopts
+  it as the next attempt), or is to fail without a restart (its time limit).
 
 How each Slurm end maps to the platform's own reasons and restart rules (``OUTCOMES``):
 
@@ -16,7 +18,7 @@ How each Slurm end maps to the platform's own reasons and restart rules (``OUTCO
 Slurm state    platform reason                                       restart
 =============  ===================================================  ===============
 PREEMPTED      preempted (requeued: back to QUEUED)                  not counted
-requeued       preempted (its RestartCnt above 0: Slurm requeued it)   not counted
+requeued       preempted (RestartCnt above the attempt's: adopted)      not counted
 NODE_FAIL      a node was lost (like an agent's LOST node)           not counted
 BOOT_FAIL      a node failed to boot                                 not counted
 TIMEOUT        ran past its time limit (like ``max_runtime_s``)      none: FAILED
@@ -44,7 +46,7 @@ from typing import Mapping, Sequence
 
 from torchrelay.wire import LaunchStatus
 
-SQUEUE_FORMAT = "JobID:|,State:|,Reason:|,RestartCnt:"  # for -O: "|" ends each field, no padding
+SQUEUE_FORMAT = "JobID:|,State:|,Reason:|,RestartCnt:|,HetJobID:|"  # for -O: "|" ends each field, no padding
 SACCT_FORMAT = "JobIDRaw,State,ExitCode"
 
 PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
@@ -116,14 +118,41 @@ def _exit_code(text: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def leader_id(job_id: str) -> str:
+    """A heterogeneous job's id from one component's (``123+1`` -> ``123``); others unchanged."""
+    return job_id.split("+", 1)[0]
+
+
+def _merged(first: SlurmJob, other: SlurmJob) -> SlurmJob:
+    """Two components of one heterogeneous job as one: running while any runs, else component
+    0's state (the first seen); the most requeues either had."""
+    shown = other if other.running and not first.running else first
+    return SlurmJob(first.job_id, shown.state, shown.reason, first.exit_code, max(first.restarts, other.restarts))
+
+
 def parse_squeue(text: str) -> dict[str, SlurmJob]:
-    out = {}
+    """By job id. A heterogeneous job's components (squeue lists each under its own id, with
+    the leader's as ``HetJobID``) as one job under the leader's id."""
+    rows: dict[str, list[SlurmJob]] = {}
     for line in text.splitlines():
-        fields = line.strip().split("|")
+        fields = [f.strip() for f in line.strip().split("|")]
         if len(fields) >= 2 and fields[0]:
-            restarts = fields[3].strip() if len(fields) > 3 else ""
-            out[fields[0]] = SlurmJob(fields[0], _state(fields[1]), fields[2] if len(fields) > 2 else "",
-                                      restarts=int(restarts) if restarts.isdigit() else 0)
+            restarts = fields[3] if len(fields) > 3 else ""
+            het = fields[4] if len(fields) > 4 else ""
+            job_id = het if het.isdigit() else fields[0]
+            job = SlurmJob(job_id, _state(fields[1]), fields[2] if len(fields) > 2 else "",
+                           restarts=int(restarts) if restarts.isdigit() else 0)
+            parts = rows.setdefault(job_id, [])
+            if fields[0] == job_id:  # the leader (or a job of one component) first
+                parts.insert(0, job)
+            else:
+                parts.append(job)
+    out = {}
+    for job_id, parts in rows.items():
+        job = parts[0]
+        for other in parts[1:]:
+            job = _merged(job, other)
+        out[job_id] = job
     return out
 
 
@@ -181,17 +210,21 @@ class AttemptView:
     launches: tuple[LaunchFacts, ...]
     unreachable: bool = False
     missing_polls: int = 0
+    restarts: int = 0  # the RestartCnt this attempt runs as (an adopted run of a requeued job: above 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptDecision:
     """``reports``: (node_rank, status, infra) to apply in order; ``rule``: a job-level
-    outcome to carry out first (REQUEUE, FAIL or CANCELLED), with ``reason``; ``scancel``: the
-    Slurm job must be cancelled (it was requeued: a new attempt replaces it)."""
+    outcome to carry out first (REQUEUE, FAIL or CANCELLED), with ``reason``; ``adopt``: Slurm
+    requeued the job and holds it (pending, or running again): its next run is the job's next
+    attempt, so it keeps its place in Slurm's queue; ``scancel``: the Slurm job must be
+    cancelled (it ended the attempt but Slurm still lists it live)."""
 
     reports: tuple[tuple[int, LaunchStatus, bool], ...] = ()
     rule: Rule | None = None
     reason: str = ""
+    adopt: bool = False
     scancel: bool = False
 
 
@@ -227,8 +260,10 @@ def decide_attempt(view: AttemptView) -> AttemptDecision:
         stopped = outcome.rule == Rule.CANCELLED
         reports = tuple((x.node_rank, _exited(outcome.reason, stopped=stopped), outcome.rule == Rule.REQUEUE)
                         for x in live)
-        return AttemptDecision(reports=reports, rule=outcome.rule, reason=outcome.reason,
-                               scancel=slurm is not None and not slurm.ended)
+        held = slurm is not None and not slurm.ended
+        adopt = held and outcome is REQUEUED
+        return AttemptDecision(reports=reports, rule=outcome.rule, reason=outcome.reason, adopt=adopt,
+                               scancel=held and not adopt)
     reports = []
     for launch in live:
         if launch.record is not None:
@@ -250,7 +285,7 @@ def _slurm_outcome(view: AttemptView, slurm: SlurmJob | None, live: Sequence[Lau
     if slurm is None:
         return UNKNOWN if view.missing_polls >= MISSING_POLLS_LIMIT else None
     asked_to_stop = all(x.desired == "stop" for x in live)
-    if slurm.restarts and not slurm.ended and not asked_to_stop:  # each attempt is a fresh sbatch
+    if slurm.restarts > view.restarts and not slurm.ended and not asked_to_stop:  # requeued since it started
         return REQUEUED
     if not slurm.ended:
         return None
