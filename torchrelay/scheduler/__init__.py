@@ -5,7 +5,8 @@ The server builds a ``SchedulerInput`` each cycle, calls ``schedule`` and carrie
 a restart) each job in ``preemptions``, end the workers each ``Shrink`` names (elastic jobs
 go on smaller), start the workers each ``Grow`` adds to a running elastic job (they join it),
 show ``waiting`` reasons and ``estimated_start``.
-``fits_ever(job, nodes)`` tells at submission whether a job could ever run on these nodes.
+``growable(running)``: whether a cycle with an empty queue has anything to do (an elastic job
+to grow). ``fits_ever(job, nodes)`` tells at submission whether a job could ever run on these nodes.
 
 The policy (priorities, fair share, quotas, gang placement, EASY backfill, preemption,
 heterogeneous requests) is stated in ``policy``'s contract and in docs/scheduling.md. Modules:
@@ -19,9 +20,15 @@ taking free room back), ``policy`` (the cycle), ``fifo`` (the first-cut baseline
 from __future__ import annotations
 
 from torchrelay.scheduler.cluster import job_problem
+from torchrelay.scheduler.grow import candidates
 from torchrelay.scheduler.policy import fits_ever, schedule
 from torchrelay.scheduler.types import (Allocation, Decisions, Grow, NodeView, Placement, QueuedJob,
                                         Quota, SchedulerInput, Shrink, WorkerShape)
 
-__all__ = ["schedule", "fits_ever", "job_problem", "Allocation", "Decisions", "Grow", "NodeView", "Placement",
+__all__ = ["schedule", "fits_ever", "growable", "job_problem", "Allocation", "Decisions", "Grow", "NodeView", "Placement",
            "QueuedJob", "Quota", "SchedulerInput", "Shrink", "WorkerShape"]
+
+
+def growable(running) -> bool:
+    """Whether some running elastic job is below its ``max_workers`` (``grow.candidates``)."""
+    return bool(candidates(running))

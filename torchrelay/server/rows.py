@@ -198,6 +198,17 @@ class Rows:
         row.waiting_reason = None
         row.last_progress_at = None
         row.placed_at = now
+        self._add_launches(row, plans, mpi)
+
+    def add_launches(self, row: JobRow, plans: Sequence[LaunchPlan]) -> None:
+        """Add ``plans`` (a grown elastic job's joiners: ``assignment.grow_launches``) to the job's
+        current attempt, whose other launches' ``nnodes`` become theirs; nothing else of the
+        job changes (its ``placed_at`` stays)."""
+        for launch in self.attempt_launches(row.seq, row.attempt):
+            launch.nnodes = plans[0].nnodes
+        self._add_launches(row, plans, None)
+
+    def _add_launches(self, row: JobRow, plans: Sequence[LaunchPlan], mpi: dict | None) -> None:
         for plan in plans:
             self.s.add(LaunchRow(
                 id=plan.id, job_seq=row.seq, attempt=row.attempt, node_id=plan.node_id, node_rank=plan.node_rank,

@@ -20,8 +20,13 @@ Contract:
 - ``ElasticGroup.from_env(min_workers=, max_workers=)``: a worker started with the job
   (``RANK`` is its member id, ``WORLD_SIZE`` members at first), the store at
   ``MASTER_ADDR:MASTER_PORT`` (it must be hosted outside the ranks: a warm launch's or
-  torchrun's); the range defaults to ``RELAY_STRATEGY``'s. ``ElasticGroup.join(store, member,
-  ...)``: a worker that joins a running job (blocks until admitted).
+  torchrun's); the range defaults to ``RELAY_STRATEGY``'s. With ``RELAY_ELASTIC_JOIN=1`` (a
+  worker the platform started to grow a running job) it joins instead, ``RANK`` its member id
+  (past every rank the job used). ``ElasticGroup.join(store, member, ...)``: a worker that
+  joins a running job (blocks until admitted).
+- ``JobEnded`` (a ``SystemExit`` with code 0): a joiner found the job over, its store gone,
+  before it was admitted or received the members' state; an unchanged script ends with
+  success: there is nothing left to join.
 - ``all_reduce_gradients(parameters, steps_done) -> bool``: the mean of the members'
   gradients over the global batch (each member's loss must be its samples' sum divided by the
   global batch: the sum of the members' gradients is then the global batch's mean gradient).
@@ -53,13 +58,34 @@ from torchrelay.errors import InvalidSpec
 from torchrelay.train.elastic_plan import (Membership, TooFewMembers, after_failure, after_join, member_range,
                                            state_source)
 
-__all__ = ["ElasticGroup", "MembershipLost", "TooFewMembers"]
+__all__ = ["ElasticGroup", "JobEnded", "MembershipLost", "TooFewMembers"]
 
 PREFIX = "relay-elastic"
+JOIN_VAR = "RELAY_ELASTIC_JOIN"  # set by the server for the workers of a grown job (torchrelay.server.assignment)
 
 
 class MembershipLost(RuntimeError):
     """This member is not in the group's current membership (it was taken for dead)."""
+
+
+class JobEnded(SystemExit):
+    """A joiner found the job over before it was admitted or got the members' state: exits 0."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _store_gone(store: dist.Store) -> bool:
+    """Whether the job's store no longer answers (its host, node 0's launch, has ended)."""
+    try:
+        store.add("relay-elastic-alive", 0)
+        return False
+    except RuntimeError:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        return True
 
 
 def _range_from_env() -> tuple[int, int]:
@@ -87,6 +113,7 @@ class ElasticGroup:
         self._admitted = admitted  # joiners admitted so far (the store's joiner list is append-only)
         self._admit_next = 0
         self._pg = None
+        self._joining = False  # a joiner until it received the members' state
         self._enter(membership)
 
     # ------------------------------------------------------------ joining
@@ -98,6 +125,8 @@ class ElasticGroup:
             min_workers, max_workers = _range_from_env()
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=60))
+        if os.environ.get(JOIN_VAR) == "1":
+            return cls.join(store, int(os.environ["RANK"]), min_workers=min_workers, max_workers=max_workers, **kw)
         world = int(os.environ["WORLD_SIZE"])
         first = Membership(0, 0, tuple(range(world)))
         return cls(store, int(os.environ["RANK"]), first, min_workers=min_workers, max_workers=max_workers, **kw)
@@ -105,18 +134,24 @@ class ElasticGroup:
     @classmethod
     def join(cls, store: dist.Store, member: int, *, min_workers: int, max_workers: int,
              timeout_s: float = 30.0, wait_s: float = 300.0, **kw) -> "ElasticGroup":
-        """Register ``member`` as a joiner and block until a membership epoch admits it."""
+        """Register ``member`` as a joiner and block until a membership epoch admits it. Raises
+        ``JobEnded`` when the store goes away first (the job ended), ``TimeoutError`` after ``wait_s``."""
         prefixed = dist.PrefixStore(PREFIX, store)
         slot = prefixed.add("joiners/next", 1)
         prefixed.set(f"joiners/{slot}", str(member))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            epoch = prefixed.add("latest", 0)
-            record = json.loads(prefixed.get(f"epoch/{epoch}")) if epoch else None
+            try:
+                epoch = prefixed.add("latest", 0)
+                record = json.loads(prefixed.get(f"epoch/{epoch}")) if epoch else None
+            except RuntimeError:
+                if not _store_gone(store):
+                    raise
+                raise JobEnded(f"member {member}: the job ended before it was admitted; nothing to join") from None
             if record and member in record["members"]:
                 group = cls(store, member, Membership.from_json(record), min_workers=min_workers,
                             max_workers=max_workers, timeout_s=timeout_s, admitted=record["admitted"], **kw)
-                group.needs_sync = True
+                group.needs_sync = group._joining = True
                 return group
             time.sleep(0.02)
         raise TimeoutError(f"member {member} was not admitted within {wait_s:g} s")
@@ -243,6 +278,15 @@ class ElasticGroup:
 
     # ------------------------------------------------------------ state
 
+    def _wait_store_gone(self) -> bool:
+        """Whether the store goes away within the timeout (the members finished)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if _store_gone(self.store):
+                return True
+            time.sleep(0.05)
+        return False
+
     def sync_state(self, state: object | None) -> object:
         """Everyone's state becomes the source member's (see the module docstring). Blocks."""
         if self._source not in self.membership.members:
@@ -254,10 +298,15 @@ class ElasticGroup:
             torch.save(state, buffer)
             payload = buffer.getvalue()
         length = torch.tensor([len(payload)], dtype=torch.int64)
-        self._pg.broadcast(length, root).wait()
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-            torch.empty(int(length.item()), dtype=torch.uint8)
-        self._pg.broadcast(data, root).wait()
-        self.needs_sync = False
+        try:
+            self._pg.broadcast(length, root).wait()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+                torch.empty(int(length.item()), dtype=torch.uint8)
+            self._pg.broadcast(data, root).wait()
+        except RuntimeError:
+            if self._joining and self._wait_store_gone():  # admitted at the members' last step
+                raise JobEnded(f"member {self.member}: the job ended as it was admitted; nothing to join") from None
+            raise
+        self.needs_sync = self._joining = False
         # weights_only: state dicts, tensors and plain values load; nothing a peer sends can run code here
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
