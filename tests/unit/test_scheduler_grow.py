@@ -1,11 +1,19 @@
 """Growing elastic jobs in the scheduling policy, case by case: a running elastic job below the
 workers it asks for (``Allocation.max_workers``) takes free room back (``Decisions.grows``) once
-the queue had its turn, unless a queued job of its priority or higher waits for resources."""
+the queue had its turn, unless a queued job of its priority or higher waits for resources. Then
+the pure parts of carrying that out: the joiners' launches, what their workers are told, and
+what the server tells the policy of a grown job."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
+from torchrelay.agent.commands import build_torchrun_command
 from torchrelay.scheduler import Allocation, Grow, NodeView, QueuedJob, SchedulerInput, WorkerShape, schedule
+from torchrelay.server.assignment import grow_launches, is_joiner, launch_assignment
+from torchrelay.server.scheduling import allocation, grow_event
+from torchrelay.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +92,63 @@ def test_a_grown_job_takes_room_another_grow_cannot_use():
 
 def test_grow_names_its_workers():
     assert Grow("e", (("a", 1), ("b", 2)), CPU).workers == 3
+
+
+# ---------------------------------------------------------------- the server's side (pure parts)
+
+ELASTIC = {"kind": "ddp", "elastic": {"min_workers": 2, "max_workers": 4}}
+
+
+def launch_row(node_rank, node, nproc, offset, world=3, released=None):
+    return SimpleNamespace(id=f"job-3-a1-n{node_rank}", job_seq=3, attempt=1, node_rank=node_rank, node_id=node,
+                           nnodes=1, nproc=nproc, rank_offset=offset, world_size=world, desired="run",
+                           stop_reason=None, stop_grace_s=None, bundle=None, cpu=1.0, gpu=0, memory=0,
+                           released=released)
+
+
+@pytest.mark.parametrize("launches, add, want", [
+    # started with 3, rank 2 released, one worker back: rank 3 (never 2 again), node rank 1, world 3
+    ([launch_row(0, "a", 3, 0, released=[2])], [("a", 1)], [("job-3-a1-n1", "a", 1, 1, 3, 3, 2)]),
+    # started at its min (a world of 2) on two nodes, then two more on b and c
+    ([launch_row(0, "a", 1, 0, world=2), launch_row(1, "b", 1, 1, world=2)], [("b", 1), ("c", 1)],
+     [("job-3-a1-n2", "b", 2, 1, 2, 2, 4), ("job-3-a1-n3", "c", 3, 1, 3, 2, 4)]),
+    # a second grow: after the first one's ranks and node rank
+    ([launch_row(0, "a", 2, 0, world=2), launch_row(1, "a", 1, 2, world=2)], [("b", 2)],
+     [("job-3-a1-n2", "b", 2, 2, 3, 2, 3)]),
+])
+def test_a_grow_adds_launches_of_joiners_after_every_rank_the_attempt_used(launches, add, want):
+    plans = grow_launches("job-3", 1, launches, add, CPU)
+    assert [(p.id, p.node_id, p.node_rank, p.nproc, p.rank_offset, p.world_size, p.nnodes) for p in plans] == want
+    assert all(is_joiner(p) for p in plans) and not any(is_joiner(x) for x in launches[:1])
+
+
+def test_a_grow_of_nothing_is_refused():
+    with pytest.raises(ValueError, match=r"cannot grow by \[\]"):
+        grow_launches("job-3", 1, [launch_row(0, "a", 2, 0)], [], CPU)
+
+
+def test_the_workers_of_a_joiners_launch_are_told_to_join_and_torchrun_refuses_them():
+    joiner = launch_assignment(launch_row(1, "a", 1, 3), job_id="job-3", argv=["python", "x.py"], env={"A": "1"},
+                               spec_stop_grace_s=5.0, master=("h", 4100), store_url="/store")
+    member = launch_assignment(launch_row(0, "a", 3, 0), job_id="job-3", argv=["python", "x.py"], env={"A": "1"},
+                               spec_stop_grace_s=5.0, master=("h", 4100), store_url="/store")
+    assert joiner.env == {"A": "1", "RELAY_ELASTIC_JOIN": "1"} and member.env == {"A": "1"}
+    with pytest.raises(ValueError, match="RELAY_ELASTIC_JOIN=1.*need the warm launch"):
+        build_torchrun_command(joiner, master_addr="h", master_port=4100)
+
+
+def test_the_policy_is_told_how_far_a_running_elastic_job_may_grow_and_where():
+    job_spec = JobSpec.parse({"name": "t", "entrypoint": "python train.py", "workers": 3, "strategy": ELASTIC,
+                              "labels": {"zone": "x"}})
+    # node 0 with rank 2 released, a joiner's launch on the same node: one entry per node, node 0 first
+    live = [launch_row(0, "a", 3, 0, released=[2]), launch_row(1, "b", 1, 3), launch_row(2, "a", 1, 4)]
+    alloc = allocation(seq=3, spec=job_spec, live=live, started_at=0.0, preempting=False)
+    assert (alloc.placement, alloc.min_workers, alloc.max_workers, alloc.labels) == \
+        ((("a", 3), ("b", 1)), 2, 3, (("zone", "x"),))
+    pending = allocation(seq=3, spec=job_spec, live=live, started_at=0.0, preempting=False, running=False)
+    assert (pending.min_workers, pending.max_workers) == (None, None)
+
+
+def test_a_grow_says_which_ranks_join():
+    event = grow_event(Grow("job-3", (("n1", 1),), CPU), [3], 2, {"n1": "a"})
+    assert event == "growing: rank(s) 3 join (a×1) and receive the members' state; elastic: 2 → 3 workers"
