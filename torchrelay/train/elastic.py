@@ -36,7 +36,8 @@ Contract:
 - ``all_reduce_(flat, steps_done) -> bool``: the same for any 1-D tensor (summed in place):
   what ``elastic_sync`` (local SGD and DiLoCo over membership epochs) averages with.
 - ``step_done(steps_done)``: at a step boundary; admits waiting joiners when the group agreed
-  to (the decision rides in the gradient all-reduce: no extra collective per step).
+  to (the decision rides in the gradient all-reduce: no extra collective per step), in the
+  order they came, as many as ``max_workers`` leaves room for; the others wait for a later one.
 - ``needs_sync`` / ``sync_state(state)``: after a change every member calls ``sync_state`` with
   its state (tensors, state dicts and plain values: it is loaded with ``weights_only=True``; a
   joiner passes None) and gets the source member's back. ``batch_range(num_samples, global_batch, step)``: this member's samples.
@@ -217,11 +218,14 @@ class ElasticGroup:
         return True
 
     def step_done(self, steps_done: int) -> None:
-        """A step boundary: admit the joiners the last all-reduce agreed on, if any."""
-        if self._admit_next <= 0:
-            return
-        count, self._admit_next = self._admit_next, 0
+        """A step boundary: admit the joiners the last all-reduce agreed on, if any, as many as
+        ``max_workers`` leaves room for (the others wait in line for a later boundary: a member
+        that is leaving may still hold a place)."""
         current = self.membership
+        count = min(self._admit_next, self.max_workers - len(current.members))
+        self._admit_next = 0
+        if count <= 0:
+            return
         key = f"epoch/{current.epoch + 1}"
         if self.rank == 0:
             first = self._admitted + 1
