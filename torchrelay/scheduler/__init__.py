@@ -20,15 +20,10 @@ taking free room back), ``policy`` (the cycle), ``fifo`` (the first-cut baseline
 from __future__ import annotations
 
 from torchrelay.scheduler.cluster import job_problem
-from torchrelay.scheduler.grow import candidates
+from torchrelay.scheduler.grow import growable
 from torchrelay.scheduler.policy import fits_ever, schedule
 from torchrelay.scheduler.types import (Allocation, Decisions, Grow, NodeView, Placement, QueuedJob,
                                         Quota, SchedulerInput, Shrink, WorkerShape)
 
-__all__ = ["schedule", "fits_ever", "growable", "job_problem", "Allocation", "Decisions", "Grow", "NodeView", "Placement",
-           "QueuedJob", "Quota", "SchedulerInput", "Shrink", "WorkerShape"]
-
-
-def growable(running) -> bool:
-    """Whether some running elastic job is below its ``max_workers`` (``grow.candidates``)."""
-    return bool(candidates(running))
+__all__ = ["schedule", "fits_ever", "growable", "job_problem", "Allocation", "Decisions", "Grow", "NodeView",
+           "Placement", "QueuedJob", "Quota", "SchedulerInput", "Shrink", "WorkerShape"]

@@ -8,14 +8,15 @@ Contract:
 - ``candidates(allocations, shrunk)``: the running elastic jobs that may grow (not being
   preempted, not shrunk in this cycle, without roles or CPU ranks of a mixed job, fewer
   workers than ``max_workers``), the highest priority first, then the earliest started, then
-  job id.
+  job id. ``growable(allocations)``: whether there is one (a cycle with an empty queue
+  has something to do).
 - ``grow_one(cluster, alloc, free, allowed)``: the most extra workers of ``alloc``'s granted
   shape (and ``labels``) that fit ``free`` on nodes in ``allowed``, up to ``max_workers`` in all,
   and where (a ``Choice`` spread over the nodes, best fit as any gang); None when not one fits.
   Feasibility is monotone in the count, so the count is found by bisection. Pure: no I/O.
 The cycle (``policy``) grows only after the queue had its turn, only into what is left free
-and does not delay the reservation (as a backfilled job without a runtime limit), and never a job while a queued job of its priority or higher
-waits for resources.
+and does not delay the reservation (as a backfilled job without a runtime limit), and never
+a job while a queued job of its priority or higher waits for resources.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ def candidates(allocations: Iterable[Allocation], shrunk: set[str] | frozenset[s
              if a.min_workers is not None and a.max_workers is not None and not a.preempting and not a.roles
              and not a.on_cpu and a.job_id not in shrunk and workers_of(a) < a.max_workers]
     return sorted(found, key=lambda a: (-a.priority, a.started_at, a.job_id))
+
+
+def growable(allocations: Iterable[Allocation]) -> bool:
+    return bool(candidates(allocations))
 
 
 def grow_one(cluster: Cluster, alloc: Allocation, free: np.ndarray,

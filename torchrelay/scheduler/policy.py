@@ -37,7 +37,8 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
   shrunk in a cycle is not also preempted in it. Elastic jobs take none of the shortcuts below.
   After the queue, running elastic jobs below their ``max_workers`` are grown into what is left
   free (``grow``; ``Decisions.grows``), the highest priority first, never delaying the
-  reservation (as a backfilled job without a runtime limit) nor while a queued job of their priority or higher waits for resources.
+  reservation (as a backfilled job without a runtime limit) nor while a queued job of their
+  priority or higher waits for resources.
 
 Cost (a cycle over 10,000 queued jobs must stay well under 100 ms): jobs of one kind (shape,
 gang form, labels) share what can be computed once; a gang size that did not fit is not tried
