@@ -48,7 +48,7 @@ _ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
 _BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.submitted_at, JobRow.attempt,
                   JobRow.requeue, JobRow.waiting_reason, JobRow.placed_at)
 _LIVE_COLUMNS = (LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc, LaunchRow.cpu,
-                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset, LaunchRow.released)
+                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset, LaunchRow.released, LaunchRow.state)
 _CHUNK = 500  # ids per IN (...): well inside every database's limit on bound parameters
 
 

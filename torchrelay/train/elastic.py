@@ -24,9 +24,9 @@ Contract:
   worker the platform started to grow a running job) it joins instead, ``RANK`` its member id
   (past every rank the job used). ``ElasticGroup.join(store, member, ...)``: a worker that
   joins a running job (blocks until admitted).
-- ``JobEnded`` (a ``SystemExit`` with code 0): a joiner found the job over, its store gone,
-  before it was admitted or received the members' state; an unchanged script ends with
-  success: there is nothing left to join.
+- ``JobEnded`` (a ``SystemExit`` with code 0): a joiner found the job over, its store gone
+  (or not answering within 20 s when it starts), before it was admitted or received the
+  members' state; an unchanged script ends with success: there is nothing left to join.
 - ``all_reduce_gradients(parameters, steps_done) -> bool``: the mean of the members'
   gradients over the global batch (each member's loss must be its samples' sum divided by the
   global batch: the sum of the members' gradients is then the global batch's mean gradient).
@@ -124,9 +124,16 @@ class ElasticGroup:
                  **kw) -> "ElasticGroup":
         if min_workers is None or max_workers is None:
             min_workers, max_workers = _range_from_env()
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
-        if os.environ.get(JOIN_VAR) == "1":
+        joiner = os.environ.get(JOIN_VAR) == "1"
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        try:
+            store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=20 if joiner else 60))
+        except RuntimeError:
+            if not joiner:
+                raise
+            raise JobEnded(f"member {os.environ['RANK']}: the job's store at {address[0]}:{address[1]} does not "
+                           f"answer: the job ended; nothing to join") from None
+        if joiner:
             return cls.join(store, int(os.environ["RANK"]), min_workers=min_workers, max_workers=max_workers, **kw)
         world = int(os.environ["WORLD_SIZE"])
         first = Membership(0, 0, tuple(range(world)))
