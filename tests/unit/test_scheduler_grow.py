@@ -12,7 +12,7 @@ import pytest
 from torchrelay.agent.commands import build_torchrun_command
 from torchrelay.scheduler import Allocation, Grow, NodeView, QueuedJob, SchedulerInput, WorkerShape, schedule
 from torchrelay.server.assignment import grow_launches, is_joiner, launch_assignment
-from torchrelay.server.scheduling import allocation, grow_event
+from torchrelay.server.scheduling import all_running, allocation, grow_event, workers_finished
 from torchrelay.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(60)
@@ -152,3 +152,23 @@ def test_the_policy_is_told_how_far_a_running_elastic_job_may_grow_and_where():
 def test_a_grow_says_which_ranks_join():
     event = grow_event(Grow("job-3", (("n1", 1),), CPU), [3], 2, {"n1": "a"})
     assert event == "growing: rank(s) 3 join (a×1) and receive the members' state; elastic: 2 → 3 workers"
+
+
+def ended(offset, nproc, succeeded=True, released=None, state="exited"):
+    return SimpleNamespace(state=state, succeeded=succeeded, rank_offset=offset, nproc=nproc, released=released)
+
+
+@pytest.mark.parametrize("launches, finished", [
+    ([ended(0, 3, state="running")], False),
+    ([ended(0, 2, state="running"), ended(2, 1)], True),  # a launch whose workers returned: the job is ending
+    ([ended(0, 2, state="running"), ended(2, 1, released=[2])], False),  # its only rank was released (a shrink)
+    ([ended(0, 2, state="running"), ended(2, 2, released=[3])], True),  # rank 2 returned
+    ([ended(0, 2, state="running"), ended(2, 1, succeeded=False)], False),  # failed: the lifecycle's business
+])
+def test_a_job_some_of_whose_workers_finished_is_not_grown(launches, finished):
+    assert workers_finished(launches) is finished
+
+
+def test_a_job_whose_launches_are_starting_is_neither_shrunk_nor_grown():
+    assert all_running([ended(0, 2, state="running"), ended(2, 1, state="running")])
+    assert not all_running([ended(0, 2, state="running"), ended(2, 1, state="pending")])

@@ -210,7 +210,7 @@ class Control:
                     seq=brief.seq, spec=facts.spec, live=live,
                     started_at=brief.placed_at if brief.placed_at is not None else brief.submitted_at,
                     preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value,
-                    running=brief.state == JobState.RUNNING.value and _all_running(live)))
+                    running=brief.state == JobState.RUNNING.value and scheduling.all_running(live)))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(facts.queued)
                 waiting[facts.queued.job_id] = (brief, facts)
@@ -279,13 +279,13 @@ class Control:
         (``grow_launches``; their agents start them as joiners, which the members admit at a step
         boundary), and an event says which ranks join. Nothing for a job that is no longer
         running, whose node 0 (the store the joiners meet in) has exited, or some of whose
-        workers finished (``_finishing``)."""
+        workers finished (``scheduling.workers_finished``)."""
         row = rows.job(grow.job_id)
         if JobState(row.state) != JobState.RUNNING or row.requeue:
             return
         launches = rows.attempt_launches(row.seq, row.attempt)
         live = [x for x in launches if x.state != LaunchState.EXITED.value]
-        if not live or launches[0].node_rank != 0 or launches[0] not in live or _finishing(launches):
+        if not live or launches[0].node_rank != 0 or launches[0] not in live or scheduling.workers_finished(launches):
             return
         plans = grow_launches(row.id, row.attempt, launches, grow.add, grow.shape)
         before = sum(scheduling.held_workers(x) for x in live)
@@ -331,20 +331,6 @@ class Control:
             _log.warning("job %s: %s", row.id, exc)
         except (StorageError, OSError) as exc:
             _log.warning("job %s: could not write the checkpoint fence for attempt %d: %s", row.id, row.attempt, exc)
-
-
-def _finishing(launches: list) -> bool:
-    """Whether some launch of the attempt ended with ranks that returned, not all of them
-    released by a shrink: its workers finished training, the job is ending (no joiner now)."""
-    return any(x.state == LaunchState.EXITED.value and x.succeeded
-               and not set(range(x.rank_offset, x.rank_offset + x.nproc)) <= set(x.released or ())
-               for x in launches)
-
-
-def _all_running(live: list) -> bool:
-    """Whether every live launch of an attempt reported running: an elastic job whose joiners
-    are still starting is neither shrunk nor grown again until they are."""
-    return all(x.state == LaunchState.RUNNING.value for x in live)
 
 
 def _alone(launch: Any) -> list | None:

@@ -10,7 +10,8 @@
   MPI (``wire.MPIRUN_LABEL``), is taken where none is yet, and waits saying so.
 - ``elastic_min(spec)``: the ``min_workers`` the policy may start or shrink an elastic job to
   (``strategy.elastic``; a spread gang only); ``shrink_event(...)`` / ``grow_event(...)``: the
-  events a shrink and a grow record.
+  events a shrink and a grow record; ``all_running`` / ``workers_finished``: when a job is not
+  shrunk or grown (launches still starting; workers already done).
 
 No I/O: ``rows.py`` reads what these take and ``control.py`` carries out the decisions.
 """
@@ -22,7 +23,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from torchrelay import scheduler as policy
 from torchrelay.layout import RankLayout
 from torchrelay.server.views import job_id_of
-from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, Resources
+from torchrelay.spec import JobSpec, JobState, LaunchState, ParameterServerStrategy, Resources
 from torchrelay.wire import MPIRUN_LABEL
 
 # the jobs a cycle reads: those waiting and those holding (or about to hold) nodes
@@ -87,6 +88,22 @@ def shrink_event(shrink: policy.Shrink, ranks: Sequence[int], workers_before: in
     where = ", ".join(f"{names.get(n, n)}×{k}" for n, k in shrink.release)
     return (f"shrinking for higher-priority job {shrink.for_job}: rank(s) {', '.join(map(str, ranks))} leave "
             f"({where}); elastic: {workers_before} → {workers_before - len(ranks)} workers")
+
+
+def all_running(live: Sequence[Any]) -> bool:
+    """Whether every live launch (rows with ``state``) of an attempt reported running: an
+    elastic job whose launches (its joiners' included) are still starting is neither shrunk nor
+    grown until they are."""
+    return all(x.state == LaunchState.RUNNING.value for x in live)
+
+
+def workers_finished(launches: Sequence[Any]) -> bool:
+    """Whether some launch of an attempt (rows with ``state``, ``succeeded``, ``rank_offset``,
+    ``nproc``, ``released``) exited successfully with ranks no shrink released: its workers
+    finished training, so the job is ending and a joiner would find nothing to join."""
+    return any(x.state == LaunchState.EXITED.value and x.succeeded
+               and not set(range(x.rank_offset, x.rank_offset + x.nproc)) <= set(x.released or ())
+               for x in launches)
 
 
 def grow_event(grow: policy.Grow, ranks: Sequence[int], workers_before: int, names: Mapping[str, str]) -> str:
