@@ -63,9 +63,9 @@ from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, ga
                                           runtime_problem, usage, without_roles)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
+from torchrelay.scheduler.grow import candidates, grow_one
 from torchrelay.scheduler.placement import Choice, feasible, nodes_of, on_cpu, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
-from torchrelay.scheduler.grow import candidates, grow_one
 from torchrelay.scheduler.shrink import ShrinkPool
 from torchrelay.scheduler.types import Allocation, Decisions, Grow, Placement, QueuedJob, SchedulerInput, Shrink
 from torchrelay.spec import format_memory
@@ -350,8 +350,8 @@ class _Cycle:
     def grow(self) -> tuple[Grow, ...]:
         """After the queue: running elastic jobs below their workers take what is left free
         (``grow``), and only what does not delay the reservation (as a backfilled job without a
-        runtime limit would), unless a queued job of their priority or
-        higher waits for resources (one that can never run, or is over its quota, does not count)."""
+        runtime limit would), unless a queued job of their priority or higher waits for
+        resources (one that can never run, or is over its quota, does not count)."""
         found = candidates(self.inp.running, self.shrunk)
         if not found:
             return ()

@@ -129,7 +129,6 @@ def is_joiner(launch: AttemptLaunch) -> bool:
     return launch.rank_offset >= launch.world_size
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerEnvironment:
     """What a launch's workers are told beside torchrun's RANK etc.: the job's ``env``, then

@@ -179,7 +179,6 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
         labels=job_labels(spec) if elastic is not None else ())
 
 
-
 def _per_node(workers: Sequence[LiveLaunch]) -> tuple[tuple[str, int], ...]:
     """((node_id, workers held), ...) in node rank order, node 0 first (kept even when it holds
     none); a node with several launches of the job (a grown elastic job's joiners) once."""
