@@ -4,7 +4,8 @@ Contract:
 - ``is_direct(assignment)``: a world of one (one node, one worker) is started without torchrun.
 - ``build_torchrun_command``: torchrun with static rendezvous (``--nnodes``, ``--node-rank``,
   ``--nproc-per-node``, ``--master-addr``, ``--master-port``, ``--max-restarts 0``), every
-  worker under the exit hook (``-m WORKER_MODULE`` and the target's ``worker_argv``).
+  worker under the exit hook (``-m WORKER_MODULE`` and the target's ``worker_argv``); never
+  for a launch of joiners of a running elastic job (``RELAY_ELASTIC_JOIN=1``).
 - ``direct_command(target, python)``: a hosted script or module as
   ``python -m WORKER_MODULE --no-supervisor ...`` (the exit hook in that one process), code or
   a program as its own command line.
@@ -33,6 +34,9 @@ from torchrelay.tls import CA_ENV, configured_ca
 from torchrelay.agent.target import WORKER_MODULE, WorkerTarget, target_of_entrypoint
 
 
+JOIN_VAR = "RELAY_ELASTIC_JOIN"  # the server's mark on a launch of joiners (torchrelay.server.assignment)
+
+
 def is_direct(assignment: wire.LaunchAssignment) -> bool:
     """Whether ``assignment`` is a world of one (one node, one worker): started without
     torchrun."""
@@ -49,7 +53,12 @@ def _check_rendezvous(master_addr: str, master_port: int, whose: str) -> None:
 def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: str,
                            master_port: int, python: str = sys.executable,
                            shutdown_timeout_s: int = 10) -> list[str]:
-    """The torchrun argv for ``assignment``."""
+    """The torchrun argv for ``assignment``. Raises ``ValueError`` for a launch of joiners
+    (``RELAY_ELASTIC_JOIN=1``: a grown elastic job's): torchrun's static rendezvous would wait
+    for a world that formed long ago; only the warm launch starts them."""
+    if assignment.env.get(JOIN_VAR) == "1":
+        raise ValueError(f"launch {assignment.launch_id} starts joiners of a running elastic job "
+                         f"({JOIN_VAR}=1): they need the warm launch, torchrun cannot join a running world")
     _check_rendezvous(master_addr, master_port, "node 0's address is needed")
     return [
         python, "-m", "torch.distributed.run",

@@ -35,6 +35,10 @@ Contract (what the server and ``docs/scheduling.md`` rely on):
   them, until their workers have left) and preempts whole only when that is not enough. An
   elastic job that must wait, preempt or be reserved for asks for its ``min_workers``. A job
   shrunk in a cycle is not also preempted in it. Elastic jobs take none of the shortcuts below.
+  After the queue, running elastic jobs below their ``max_workers`` are grown into what is left
+  free (``grow``; ``Decisions.grows``), the highest priority first, never delaying the
+  reservation (as a backfilled job without a runtime limit) nor while a queued job of their
+  priority or higher waits for resources.
 
 Cost (a cycle over 10,000 queued jobs must stay well under 100 ms): jobs of one kind (shape,
 gang form, labels) share what can be computed once; a gang size that did not fit is not tried
@@ -59,10 +63,11 @@ from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, ga
                                           runtime_problem, usage, without_roles)
 from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
+from torchrelay.scheduler.grow import candidates, grow_one
 from torchrelay.scheduler.placement import Choice, feasible, nodes_of, on_cpu, place_best, use_of
 from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.shrink import ShrinkPool
-from torchrelay.scheduler.types import Allocation, Decisions, Placement, QueuedJob, SchedulerInput, Shrink
+from torchrelay.scheduler.types import Allocation, Decisions, Grow, Placement, QueuedJob, SchedulerInput, Shrink
 from torchrelay.spec import format_memory
 
 
@@ -336,10 +341,41 @@ class _Cycle:
             reason = self.consider(job)
             if reason is not None:
                 self.waiting[job.job_id] = reason
+        grows = self.grow()
         estimates = self.estimates()
         return Decisions(placements=tuple(self.placements), preemptions=tuple(self.preemptions),
-                         shrinks=tuple(self.shrinks), waiting=self.waiting, estimated_start=estimates,
-                         order=tuple(self.order))
+                         shrinks=tuple(self.shrinks), grows=grows, waiting=self.waiting,
+                         estimated_start=estimates, order=tuple(self.order))
+
+    def grow(self) -> tuple[Grow, ...]:
+        """After the queue: running elastic jobs below their workers take what is left free
+        (``grow``), and only what does not delay the reservation (as a backfilled job without a
+        runtime limit would), unless a queued job of their priority or higher waits for
+        resources (one that can never run, or is over its quota, does not count)."""
+        found = candidates(self.inp.running, self.shrunk)
+        if not found:
+            return ()
+        priorities = {job.job_id: job.priority for job in self.considered}
+        blocking = max((priorities[job_id] for job_id, reason in self.waiting.items()
+                        if not reason.startswith(("unschedulable", "quota"))), default=None)
+        ids, out = self.cluster.ids, []
+        for alloc in found:
+            if blocking is not None and blocking >= alloc.priority:
+                continue
+            # as a backfilled job without a runtime limit: within what the reservation leaves
+            avail = self.free if self.reservation is None else np.minimum(self.free, self.reservation.extra)
+            grown = grow_one(self.cluster, alloc, avail, self.ready)
+            if grown is None:
+                continue
+            _, choice = grown
+            nodes, use = use_of(choice, self.cluster)
+            np.subtract.at(self.free, nodes, use)
+            if self.reservation is not None:
+                np.subtract.at(self.reservation.extra, nodes, use)
+            self.free_index.touch(nodes)
+            add = tuple((ids[n], k) for n, k in sorted(choice.placement, key=lambda p: ids[p[0]]))
+            out.append(Grow(alloc.job_id, add, choice.alt.shape))
+        return tuple(out)
 
     def consider(self, job: QueuedJob) -> str | None:
         """Place, grant (by shrinking or preemption), reserve or explain ``job``; returns its

@@ -20,8 +20,9 @@ shape a worker there is granted. ``parts()`` lists (shape, placement) per kind o
 Elastic jobs (``QueuedJob.min_workers`` / ``Allocation.min_workers``, a spread gang without
 roles): a job may start with fewer workers than ``workers``, down to ``min_workers``, and a
 running one may be shrunk down to ``min_workers`` to make room for a higher-priority job
-(``Decisions.shrinks``) instead of being preempted whole. A running elastic job's first
-placement entry is its node 0 (it hosts the job's store), which keeps at least one worker.
+(``Decisions.shrinks``) instead of being preempted whole, and one below ``max_workers`` is
+grown back when room frees up (``Decisions.grows``). A running elastic job's first placement
+entry is its node 0 (it hosts the job's store), which keeps at least one worker.
 """
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ class Allocation:
     # elastic: it may be shrunk down to this many workers (``placement`` holds the workers it
     # runs now, its node 0 first); None: it runs whole or not at all
     min_workers: int | None = None
+    # elastic: it may be grown back up to this many workers (the ``workers`` it asks for) when
+    # room frees up (``Decisions.grows``); its ``labels`` say where new workers may go
+    max_workers: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
 
     def parts(self) -> tuple[tuple[WorkerShape, tuple[tuple[str, int], ...]], ...]:
         return split_parts(self.shape, self.placement, self.on_cpu, self.roles)
@@ -177,11 +182,28 @@ class Shrink:
 
 
 @dataclass(frozen=True, slots=True)
+class Grow:
+    """Start ``add`` ((node_id, workers), ...) more workers of the running elastic job
+    ``job_id``, each granted ``shape``: they join the job at a step boundary and receive the
+    members' state (``torchrelay.train.elastic``)."""
+
+    job_id: str
+    add: tuple[tuple[str, int], ...]
+    shape: WorkerShape
+
+    @property
+    def workers(self) -> int:
+        return sum(count for _, count in self.add)
+
+
+@dataclass(frozen=True, slots=True)
 class Decisions:
     placements: tuple[Placement, ...] = ()
     preemptions: tuple[str, ...] = ()
     # running elastic jobs to shrink instead of preempting them whole (see ``Shrink``)
     shrinks: tuple[Shrink, ...] = ()
+    # running elastic jobs below their workers given free room back (see ``Grow``)
+    grows: tuple[Grow, ...] = ()
     # job_id -> reason: one of "resources", "gang", "quota", "priority", "reservation",
     # "unschedulable" (can never fit this cluster), optionally with detail after ": "
     waiting: dict[str, str] = field(default_factory=dict)

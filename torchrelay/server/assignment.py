@@ -8,7 +8,9 @@
 - ``launch_assignment(...)``: the ``wire.LaunchAssignment`` of one launch in a heartbeat reply.
 - Elastic jobs: ``placed_layout`` is the layout of a job the policy started with fewer workers
   than its spec asks (its world is what was placed: the elastic group handles membership);
-  ``ranks_to_release`` which ranks of a launch leave when the policy shrinks the job.
+  ``ranks_to_release`` which ranks of a launch leave when the policy shrinks the job;
+  ``grow_launches`` the launches of the workers a grow adds (joiners: ``is_joiner``, whose
+  workers get ``RELAY_ELASTIC_JOIN=1``).
 
 GPU *counts* are granted here; which device indices a launch uses is the agent's choice on its
 node (``torchrelay.agent.gpus``). No I/O: ``rows.py`` reads the rows these take.
@@ -25,6 +27,8 @@ from torchrelay.layout import RankLayout
 from torchrelay.spec import CheckpointPolicy, JobSpec, Strategy
 from torchrelay.storage import ArtifactStore
 from torchrelay.wire import LaunchAssignment, MpiWorld
+
+JOIN_VAR = "RELAY_ELASTIC_JOIN"  # read by torchrelay.train.elastic.ElasticGroup.from_env
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +92,41 @@ def ranks_to_release(*, rank_offset: int, nproc: int, released: Sequence[int] | 
         raise ValueError(f"cannot release {count} ranks of ranks {rank_offset}..{rank_offset + nproc - 1}: "
                          f"only {len(left)} are left")
     return sorted(left[:count])
+
+
+class AttemptLaunch(Protocol):
+    node_rank: int
+    nproc: int
+    rank_offset: int
+    world_size: int
+
+
+def grow_launches(job_id: str, attempt: int, launches: Sequence[AttemptLaunch], add: Sequence[tuple[str, int]],
+                  shape: policy.WorkerShape) -> tuple[LaunchPlan, ...]:
+    """The launches that start a grown elastic job's new workers (``add``: (node_id, workers),
+    ...) beside its attempt's ``launches`` (all of them, exited ones too; node 0 first): one per
+    node, with ranks after every rank the attempt ever used (a joiner's member id is its rank,
+    never one a member had), node ranks after the last, and the world size of the attempt's
+    first world, so that ``is_joiner`` tells them (their ranks lie past it). ``nnodes`` counts
+    every launch of the attempt with them (the others' is updated to it). Raises ``ValueError``
+    for an attempt without launches or an empty ``add``."""
+    if not launches or not add or any(k < 1 for _, k in add):
+        raise ValueError(f"job {job_id}: cannot grow by {list(add)} an attempt with {len(launches)} launches")
+    rank = max(x.rank_offset + x.nproc for x in launches)
+    node_rank = max(x.node_rank for x in launches) + 1
+    world, nnodes = launches[0].world_size, len(launches) + len(add)
+    plans = []
+    for i, (node_id, nproc) in enumerate(add):
+        plans.append(LaunchPlan(id=launch_id_of(job_id, attempt, node_rank + i), node_id=node_id,
+                                node_rank=node_rank + i, nnodes=nnodes, nproc=nproc, rank_offset=rank,
+                                world_size=world, shape=shape))
+        rank += nproc
+    return tuple(plans)
+
+
+def is_joiner(launch: AttemptLaunch) -> bool:
+    """Whether ``launch`` starts workers that join a running elastic job (``grow_launches``)."""
+    return launch.rank_offset >= launch.world_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,8 +228,11 @@ def launch_assignment(launch: AssignedLaunch, *, job_id: str, argv: list[str], e
     the port it reported (None until then) and, for an mpirun job, its MPI world (as stored);
     ``stop_grace_s`` is the launch's own when a stop set one (``relay cancel --no-checkpoint``:
     0), else the spec's. ``store_options``: the store's public options
-    (``ArtifactStore.public_options``: never a credential)."""
+    (``ArtifactStore.public_options``: never a credential). A joiner's workers (``is_joiner``)
+    get ``RELAY_ELASTIC_JOIN=1``: ``ElasticGroup.from_env`` joins the running group."""
     world = master[2] if len(master) > 2 else None
+    if is_joiner(launch):
+        env = {**env, JOIN_VAR: "1"}
     return LaunchAssignment(
         launch_id=launch.id, job_id=job_id, attempt=launch.attempt, desired=launch.desired,  # type: ignore[arg-type]
         stop_reason=launch.stop_reason,

@@ -3,7 +3,8 @@
 ``Control.tick()`` is the loop's one step (tests call it directly), one transaction: at most
 every ``check_interval_s`` the watchdogs (lost nodes, hung jobs, runtime overruns), then one
 scheduling cycle that places queued jobs, preempts, shrinks elastic jobs (their chosen ranks
-told to leave, an event saying why) and records why the others wait.
+told to leave, an event saying why), grows them back (joiners' launches added to the running
+attempt) and records why the others wait.
 ``run()`` steps it in a background thread whenever something changes (``kick``), and at least
 every ``tick_s``. The other methods carry out what requests cause (a launch's status, a
 cancel) inside the caller's unit of work (``rows.Database.write``); each takes the server time
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from torchrelay import scheduler as policy
 from torchrelay.errors import StaleAttempt, StorageError
 from torchrelay.server import lifecycle, scheduling, watchdogs
-from torchrelay.server.assignment import mpi_world, placed_layout, plan_launches, ranks_to_release
+from torchrelay.server.assignment import grow_launches, mpi_world, placed_layout, plan_launches, ranks_to_release
 from torchrelay.server.executors import agents_only, is_agents_job
 from torchrelay.server.quotas import QuotaTable
 from torchrelay.server.rows import Database, JobBrief, JobFacts, Rows
@@ -209,7 +210,7 @@ class Control:
                     seq=brief.seq, spec=facts.spec, live=live,
                     started_at=brief.placed_at if brief.placed_at is not None else brief.submitted_at,
                     preempting=bool(brief.requeue) or brief.state == JobState.CANCELLING.value,
-                    running=brief.state == JobState.RUNNING.value))
+                    running=brief.state == JobState.RUNNING.value and scheduling.all_running(live)))
             elif brief.state in (JobState.QUEUED.value, JobState.RESTARTING.value):
                 queue.append(facts.queued)
                 waiting[facts.queued.job_id] = (brief, facts)
@@ -221,7 +222,7 @@ class Control:
     def schedule(self, rows: Rows, now: float) -> None:
         """One scheduling cycle, its decisions carried out."""
         inp, waiting = self.scheduler_input(rows, now)
-        if not inp.queue:
+        if not inp.queue and not policy.growable(inp.running):
             return
         # start estimates are for `relay queue` only: a tick does not pay for them
         decisions = policy.schedule(dataclasses.replace(inp, estimate_limit=0))
@@ -238,6 +239,8 @@ class Control:
                 rows.stop_launches(vrow, stop)
         for shrink in decisions.shrinks:
             self.shrink(rows, shrink, now)
+        for grow in decisions.grows:
+            self.grow(rows, grow, now)
         reasons = ((waiting[job_id], scheduling.waiting_reason(reason, waiting[job_id][1].spec))
                    for job_id, reason in decisions.waiting.items() if job_id in waiting)
         rows.set_waiting_reasons((brief.seq, reason) for (brief, _), reason in reasons
@@ -254,19 +257,41 @@ class Control:
         if JobState(row.state) != JobState.RUNNING or row.requeue:
             return
         launches = rows.live_launches(row)
-        by_node = {x.node_id: x for x in launches if x.desired == "run"}
         before = sum(scheduling.held_workers(x) for x in launches)
         ranks: list[int] = []
         for node_id, count in shrink.release:
-            launch = by_node.get(node_id)
-            if launch is None:
-                continue
-            chosen = ranks_to_release(rank_offset=launch.rank_offset, nproc=launch.nproc, released=launch.released,
-                                      count=count)
-            rows.release_ranks(launch, chosen)
-            ranks += chosen
+            # a node may hold several launches of a grown job: the last one's ranks go first
+            for launch in reversed([x for x in launches if x.node_id == node_id and x.desired == "run"]):
+                take = min(count, scheduling.held_workers(launch))
+                if take <= 0:
+                    continue
+                chosen = ranks_to_release(rank_offset=launch.rank_offset, nproc=launch.nproc,
+                                          released=launch.released, count=take)
+                rows.release_ranks(launch, chosen)
+                ranks += chosen
+                count -= take
         if ranks:
             rows.add_event(row, scheduling.shrink_event(shrink, ranks, before, rows.nodes().names), now)
+
+    @staticmethod
+    def grow(rows: Rows, grow: policy.Grow, now: float) -> None:
+        """Carry out a ``Grow``: the new workers' launches join the job's current attempt
+        (``grow_launches``; their agents start them as joiners, which the members admit at a step
+        boundary), and an event says which ranks join. Nothing for a job that is no longer
+        running, whose node 0 (the store the joiners meet in) has exited, or some of whose
+        workers finished (``scheduling.workers_finished``)."""
+        row = rows.job(grow.job_id)
+        if JobState(row.state) != JobState.RUNNING or row.requeue:
+            return
+        launches = rows.attempt_launches(row.seq, row.attempt)
+        live = [x for x in launches if x.state != LaunchState.EXITED.value]
+        if not live or launches[0].node_rank != 0 or launches[0] not in live or scheduling.workers_finished(launches):
+            return
+        plans = grow_launches(row.id, row.attempt, launches, grow.add, grow.shape)
+        before = sum(scheduling.held_workers(x) for x in live)
+        rows.add_launches(row, plans)
+        ranks = [r for plan in plans for r in range(plan.rank_offset, plan.rank_offset + plan.nproc)]
+        rows.add_event(row, scheduling.grow_event(grow, ranks, before, rows.nodes().names), now)
 
     def place(self, rows: Rows, row: Any, facts: JobFacts, placement: policy.Placement, now: float) -> None:
         """Start the job's next attempt where the policy placed it: one launch per role and node

@@ -48,7 +48,7 @@ _ASSIGNMENT_COLUMNS = tuple(LaunchRow.__table__.c[name] for name in (
 _BRIEF_COLUMNS = (JobRow.seq, JobRow.name, JobRow.user, JobRow.state, JobRow.submitted_at, JobRow.attempt,
                   JobRow.requeue, JobRow.waiting_reason, JobRow.placed_at)
 _LIVE_COLUMNS = (LaunchRow.job_seq, LaunchRow.attempt, LaunchRow.node_id, LaunchRow.nproc, LaunchRow.cpu,
-                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset, LaunchRow.released)
+                 LaunchRow.gpu, LaunchRow.memory, LaunchRow.rank_offset, LaunchRow.released, LaunchRow.state)
 _CHUNK = 500  # ids per IN (...): well inside every database's limit on bound parameters
 
 
@@ -205,6 +205,17 @@ class Rows:
         row.waiting_reason = None
         row.last_progress_at = None
         row.placed_at = now
+        self._add_launches(row, plans, mpi)
+
+    def add_launches(self, row: JobRow, plans: Sequence[LaunchPlan]) -> None:
+        """Add ``plans`` (a grown elastic job's joiners: ``assignment.grow_launches``) to the job's
+        current attempt, whose other launches' ``nnodes`` become theirs; nothing else of the
+        job changes (its ``placed_at`` stays)."""
+        for launch in self.attempt_launches(row.seq, row.attempt):
+            launch.nnodes = plans[0].nnodes
+        self._add_launches(row, plans, None)
+
+    def _add_launches(self, row: JobRow, plans: Sequence[LaunchPlan], mpi: dict | None) -> None:
         for plan in plans:
             self.s.add(LaunchRow(
                 id=plan.id, job_seq=row.seq, attempt=row.attempt, node_id=plan.node_id, node_rank=plan.node_rank,

@@ -9,7 +9,9 @@
 - ``job_labels``, ``submission_probe``, ``waiting_reason``: an mpirun job needs nodes with Open
   MPI (``wire.MPIRUN_LABEL``), is taken where none is yet, and waits saying so.
 - ``elastic_min(spec)``: the ``min_workers`` the policy may start or shrink an elastic job to
-  (``strategy.elastic``; a spread gang only); ``shrink_event(...)``: the event a shrink records.
+  (``strategy.elastic``; a spread gang only); ``shrink_event(...)`` / ``grow_event(...)``: the
+  events a shrink and a grow record; ``all_running`` / ``workers_finished``: when a job is not
+  shrunk or grown (launches still starting; workers already done).
 
 No I/O: ``rows.py`` reads what these take and ``control.py`` carries out the decisions.
 """
@@ -21,7 +23,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from torchrelay import scheduler as policy
 from torchrelay.layout import RankLayout
 from torchrelay.server.views import job_id_of
-from torchrelay.spec import JobSpec, JobState, ParameterServerStrategy, Resources
+from torchrelay.spec import JobSpec, JobState, LaunchState, ParameterServerStrategy, Resources
 from torchrelay.wire import MPIRUN_LABEL
 
 # the jobs a cycle reads: those waiting and those holding (or about to hold) nodes
@@ -88,6 +90,29 @@ def shrink_event(shrink: policy.Shrink, ranks: Sequence[int], workers_before: in
             f"({where}); elastic: {workers_before} → {workers_before - len(ranks)} workers")
 
 
+def all_running(live: Sequence[Any]) -> bool:
+    """Whether every live launch (rows with ``state``) of an attempt reported running: an
+    elastic job whose launches (its joiners' included) are still starting is neither shrunk nor
+    grown until they are."""
+    return all(x.state == LaunchState.RUNNING.value for x in live)
+
+
+def workers_finished(launches: Sequence[Any]) -> bool:
+    """Whether some launch of an attempt (rows with ``state``, ``succeeded``, ``rank_offset``,
+    ``nproc``, ``released``) exited successfully with ranks no shrink released: its workers
+    finished training, so the job is ending and a joiner would find nothing to join."""
+    return any(x.state == LaunchState.EXITED.value and x.succeeded
+               and not set(range(x.rank_offset, x.rank_offset + x.nproc)) <= set(x.released or ())
+               for x in launches)
+
+
+def grow_event(grow: policy.Grow, ranks: Sequence[int], workers_before: int, names: Mapping[str, str]) -> str:
+    """What a grow records on the grown job: which ranks join, where."""
+    where = ", ".join(f"{names.get(n, n)}×{k}" for n, k in grow.add)
+    return (f"growing: rank(s) {', '.join(map(str, ranks))} join ({where}) and receive the members' state; "
+            f"elastic: {workers_before} → {workers_before + len(ranks)} workers")
+
+
 def queued_job(seq: int, spec: JobSpec) -> policy.QueuedJob:
     """What the policy is told of a waiting job: it never changes while the job waits."""
     return policy.QueuedJob(
@@ -128,10 +153,15 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
     order). A parameter-server job's server launches are those whose ranks the layout gives its
     servers. An elastic job's workers asked to leave (a shrink) are given back at once: each
     has the job's ``stop_grace_s`` to go (SIGKILL then), and its node 0 keeps a worker. Only a
-    ``running`` job (a launch of it reported running) may be shrunk."""
-    layout = RankLayout.of_spec(spec)  # an elastic job started smaller has no ranks past its workers either
-    workers = [x for x in live if not layout.is_server(x.rank_offset)]
-    servers = [x for x in live if layout.is_server(x.rank_offset)]
+    ``running`` job (a launch of it reported running) may be shrunk, or grown back up to its
+    ``workers`` (``max_workers``; its launches of joiners count as any)."""
+    layout = RankLayout.of_spec(spec)
+    elastic = elastic_min(spec)
+    if elastic is not None:  # workers only; a grown one's joiners have ranks past its first world
+        workers, servers = list(live), []
+    else:
+        workers = [x for x in live if not layout.is_server(x.rank_offset)]
+        servers = [x for x in live if layout.is_server(x.rank_offset)]
     roles: tuple = ()
     if servers:
         server_gpu_type = (spec.strategy.server_resources.gpu_type
@@ -142,10 +172,22 @@ def allocation(*, seq: int, spec: JobSpec, live: Sequence[LiveLaunch], started_a
         shape, on_cpu = _mixed(spec.resources, workers)
     return policy.Allocation(
         job_id=job_id_of(seq), user=spec.user or "", priority=spec.priority, shape=shape, on_cpu=on_cpu,
-        placement=tuple((x.node_id, held_workers(x)) for i, x in enumerate(workers) if i == 0 or held_workers(x)),
+        placement=_per_node(workers),
         preemptible=spec.preemptible, started_at=started_at, max_runtime_s=spec.max_runtime_s,
-        preempting=preempting, roles=roles, min_workers=elastic_min(spec) if running else None)
+        preempting=preempting, roles=roles, min_workers=elastic if running else None,
+        max_workers=spec.workers if running and elastic is not None else None,
+        labels=job_labels(spec) if elastic is not None else ())
 
+
+def _per_node(workers: Sequence[LiveLaunch]) -> tuple[tuple[str, int], ...]:
+    """((node_id, workers held), ...) in node rank order, node 0 first (kept even when it holds
+    none); a node with several launches of the job (a grown elastic job's joiners) once."""
+    held: dict[str, int] = {}
+    for i, x in enumerate(workers):
+        count = held_workers(x)
+        if i == 0 or count:
+            held[x.node_id] = held.get(x.node_id, 0) + count
+    return tuple(held.items())
 
 
 def _mixed(res: Resources, workers: Sequence[LiveLaunch]) -> tuple[policy.WorkerShape, tuple[str, ...]]:

@@ -20,8 +20,13 @@ Contract:
 - ``ElasticGroup.from_env(min_workers=, max_workers=)``: a worker started with the job
   (``RANK`` is its member id, ``WORLD_SIZE`` members at first), the store at
   ``MASTER_ADDR:MASTER_PORT`` (it must be hosted outside the ranks: a warm launch's or
-  torchrun's); the range defaults to ``RELAY_STRATEGY``'s. ``ElasticGroup.join(store, member,
-  ...)``: a worker that joins a running job (blocks until admitted).
+  torchrun's); the range defaults to ``RELAY_STRATEGY``'s. With ``RELAY_ELASTIC_JOIN=1`` (a
+  worker the platform started to grow a running job) it joins instead, ``RANK`` its member id
+  (past every rank the job used). ``ElasticGroup.join(store, member, ...)``: a worker that
+  joins a running job (blocks until admitted).
+- ``JobEnded`` (a ``SystemExit`` with code 0): a joiner found the job over, its store gone
+  (or not answering within 20 s when it starts), before it was admitted or received the
+  members' state; an unchanged script ends with success: there is nothing left to join.
 - ``all_reduce_gradients(parameters, steps_done) -> bool``: the mean of the members'
   gradients over the global batch (each member's loss must be its samples' sum divided by the
   global batch: the sum of the members' gradients is then the global batch's mean gradient).
@@ -31,7 +36,8 @@ Contract:
 - ``all_reduce_(flat, steps_done) -> bool``: the same for any 1-D tensor (summed in place):
   what ``elastic_sync`` (local SGD and DiLoCo over membership epochs) averages with.
 - ``step_done(steps_done)``: at a step boundary; admits waiting joiners when the group agreed
-  to (the decision rides in the gradient all-reduce: no extra collective per step).
+  to (the decision rides in the gradient all-reduce: no extra collective per step), in the
+  order they came, as many as ``max_workers`` leaves room for; the others wait for a later one.
 - ``needs_sync`` / ``sync_state(state)``: after a change every member calls ``sync_state`` with
   its state (tensors, state dicts and plain values: it is loaded with ``weights_only=True``; a
   joiner passes None) and gets the source member's back. ``batch_range(num_samples, global_batch, step)``: this member's samples.
@@ -53,13 +59,34 @@ from torchrelay.errors import InvalidSpec
 from torchrelay.train.elastic_plan import (Membership, TooFewMembers, after_failure, after_join, member_range,
                                            state_source)
 
-__all__ = ["ElasticGroup", "MembershipLost", "TooFewMembers"]
+__all__ = ["ElasticGroup", "JobEnded", "MembershipLost", "TooFewMembers"]
 
 PREFIX = "relay-elastic"
+JOIN_VAR = "RELAY_ELASTIC_JOIN"  # set by the server for the workers of a grown job (torchrelay.server.assignment)
 
 
 class MembershipLost(RuntimeError):
     """This member is not in the group's current membership (it was taken for dead)."""
+
+
+class JobEnded(SystemExit):
+    """A joiner found the job over before it was admitted or got the members' state: exits 0."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _store_gone(store: dist.Store) -> bool:
+    """Whether the job's store no longer answers (its host, node 0's launch, has ended)."""
+    try:
+        store.add("relay-elastic-alive", 0)
+        return False
+    except RuntimeError:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        return True
 
 
 def _range_from_env() -> tuple[int, int]:
@@ -87,6 +114,7 @@ class ElasticGroup:
         self._admitted = admitted  # joiners admitted so far (the store's joiner list is append-only)
         self._admit_next = 0
         self._pg = None
+        self._joining = False  # a joiner until it received the members' state
         self._enter(membership)
 
     # ------------------------------------------------------------ joining
@@ -96,8 +124,17 @@ class ElasticGroup:
                  **kw) -> "ElasticGroup":
         if min_workers is None or max_workers is None:
             min_workers, max_workers = _range_from_env()
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
+        joiner = os.environ.get(JOIN_VAR) == "1"
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        try:
+            store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=20 if joiner else 60))
+        except RuntimeError:
+            if not joiner:
+                raise
+            raise JobEnded(f"member {os.environ['RANK']}: the job's store at {address[0]}:{address[1]} does not "
+                           f"answer: the job ended; nothing to join") from None
+        if joiner:
+            return cls.join(store, int(os.environ["RANK"]), min_workers=min_workers, max_workers=max_workers, **kw)
         world = int(os.environ["WORLD_SIZE"])
         first = Membership(0, 0, tuple(range(world)))
         return cls(store, int(os.environ["RANK"]), first, min_workers=min_workers, max_workers=max_workers, **kw)
@@ -105,18 +142,24 @@ class ElasticGroup:
     @classmethod
     def join(cls, store: dist.Store, member: int, *, min_workers: int, max_workers: int,
              timeout_s: float = 30.0, wait_s: float = 300.0, **kw) -> "ElasticGroup":
-        """Register ``member`` as a joiner and block until a membership epoch admits it."""
+        """Register ``member`` as a joiner and block until a membership epoch admits it. Raises
+        ``JobEnded`` when the store goes away first (the job ended), ``TimeoutError`` after ``wait_s``."""
         prefixed = dist.PrefixStore(PREFIX, store)
         slot = prefixed.add("joiners/next", 1)
         prefixed.set(f"joiners/{slot}", str(member))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            epoch = prefixed.add("latest", 0)
-            record = json.loads(prefixed.get(f"epoch/{epoch}")) if epoch else None
+            try:
+                epoch = prefixed.add("latest", 0)
+                record = json.loads(prefixed.get(f"epoch/{epoch}")) if epoch else None
+            except RuntimeError:
+                if not _store_gone(store):
+                    raise
+                raise JobEnded(f"member {member}: the job ended before it was admitted; nothing to join") from None
             if record and member in record["members"]:
                 group = cls(store, member, Membership.from_json(record), min_workers=min_workers,
                             max_workers=max_workers, timeout_s=timeout_s, admitted=record["admitted"], **kw)
-                group.needs_sync = True
+                group.needs_sync = group._joining = True
                 return group
             time.sleep(0.02)
         raise TimeoutError(f"member {member} was not admitted within {wait_s:g} s")
@@ -182,11 +225,14 @@ class ElasticGroup:
         return True
 
     def step_done(self, steps_done: int) -> None:
-        """A step boundary: admit the joiners the last all-reduce agreed on, if any."""
-        if self._admit_next <= 0:
-            return
-        count, self._admit_next = self._admit_next, 0
+        """A step boundary: admit the joiners the last all-reduce agreed on, if any, as many as
+        ``max_workers`` leaves room for (the others wait in line for a later boundary: a member
+        that is leaving may still hold a place)."""
         current = self.membership
+        count = min(self._admit_next, self.max_workers - len(current.members))
+        self._admit_next = 0
+        if count <= 0:
+            return
         key = f"epoch/{current.epoch + 1}"
         if self.rank == 0:
             first = self._admitted + 1
@@ -243,6 +289,15 @@ class ElasticGroup:
 
     # ------------------------------------------------------------ state
 
+    def _wait_store_gone(self) -> bool:
+        """Whether the store goes away within the timeout (the members finished)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            if _store_gone(self.store):
+                return True
+            time.sleep(0.05)
+        return False
+
     def sync_state(self, state: object | None) -> object:
         """Everyone's state becomes the source member's (see the module docstring). Blocks."""
         if self._source not in self.membership.members:
@@ -254,10 +309,15 @@ class ElasticGroup:
             torch.save(state, buffer)
             payload = buffer.getvalue()
         length = torch.tensor([len(payload)], dtype=torch.int64)
-        self._pg.broadcast(length, root).wait()
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-            torch.empty(int(length.item()), dtype=torch.uint8)
-        self._pg.broadcast(data, root).wait()
-        self.needs_sync = False
+        try:
+            self._pg.broadcast(length, root).wait()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+                torch.empty(int(length.item()), dtype=torch.uint8)
+            self._pg.broadcast(data, root).wait()
+        except RuntimeError:
+            if self._joining and self._wait_store_gone():  # admitted at the members' last step
+                raise JobEnded(f"member {self.member}: the job ended as it was admitted; nothing to join") from None
+            raise
+        self.needs_sync = self._joining = False
         # weights_only: state dicts, tensors and plain values load; nothing a peer sends can run code here
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
