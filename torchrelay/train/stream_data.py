@@ -38,6 +38,8 @@ from torchrelay.train.session import current_session
 from torchrelay.train.stream_plan import Position, assign
 
 Decode = Callable[[bytes], Any]
+CHUNK = 1000  # records a Kafka consumer hands over per call at most
+POLL_S = 0.5  # how long one call waits for a record when none is fetched yet
 
 
 # A source (``KafkaSource``, ``RabbitStreamSource``): ``name`` for messages; ``count()`` its
@@ -82,6 +84,14 @@ class KafkaSource:
         finally:
             consumer.close()
 
+    @staticmethod
+    def _fetch(consumer: Any) -> list[Any]:
+        """What librdkafka has fetched already (up to ``CHUNK``, without waiting), or else the
+        next message as soon as one comes (at most ``POLL_S``). Never ``consume(n, timeout)``
+        with a fixed ``n``: it waits out the whole timeout for the last records of a bounded
+        read (0.5 s: 5 ms a step over a 100-step run) and for every slow batch of an unbounded one."""
+        return consumer.consume(num_messages=CHUNK, timeout=0) or consumer.consume(num_messages=1, timeout=POLL_S)
+
     def records(self, starts: dict[int, int], ends: dict[int, int] | None) -> Iterator[tuple[int, int, bytes]]:
         from confluent_kafka import KafkaError, TopicPartition
 
@@ -92,12 +102,14 @@ class KafkaSource:
                 return
             consumer.assign([TopicPartition(self.topic, p, starts[p]) for p in sorted(todo)])
             while todo:
-                for msg in consumer.consume(num_messages=1000, timeout=0.5):  # many per call: far cheaper
-                    if msg.error():
-                        if msg.error().code() == KafkaError._PARTITION_EOF:
-                            continue
-                        raise StreamError(f"{self.name}: {msg.error()}")
+                for msg in self._fetch(consumer):
                     p, offset = msg.partition(), msg.offset()
+                    if msg.error():
+                        if msg.error().code() != KafkaError._PARTITION_EOF:
+                            raise StreamError(f"{self.name}: {msg.error()}")
+                        if ends is not None and offset >= ends[p]:
+                            todo.discard(p)  # its end offset reached (it may be no record's: a gap)
+                        continue
                     if ends is not None and offset >= ends[p]:
                         todo.discard(p)
                         continue
