@@ -70,6 +70,7 @@ def bench_events(node, count: int) -> dict:
     import pika
 
     from torchrelay.server.events.model import Event
+    from torchrelay.server.events.relay import BATCH
     from torchrelay.server.events.sinks import AmqpSink
     from torchrelay.server.events.urls import parse_sink_url
 
@@ -84,8 +85,8 @@ def bench_events(node, count: int) -> dict:
     sink = AmqpSink(parse_sink_url(node.url))
     sink.publish(events[:10])  # connect outside the timing
     t = time.perf_counter()
-    for i in range(0, count, 500):
-        assert sink.publish(events[i:i + 500]) == len(events[i:i + 500])
+    for i in range(0, count, BATCH):  # in the relay's batches
+        assert sink.publish(events[i:i + BATCH]) == len(events[i:i + BATCH])
     ours = count / (time.perf_counter() - t)
     sink.close()
 

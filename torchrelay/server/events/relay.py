@@ -36,7 +36,7 @@ from torchrelay.server.store import EventCursorRow, EventRow, MetricRow, NodeEve
 from torchrelay.server.views import job_id_of
 
 log = logging.getLogger(__name__)
-BATCH = 500
+BATCH = 2000  # events a publish carries: the sink streams them and waits for the confirms once
 
 
 def read_job_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]:
