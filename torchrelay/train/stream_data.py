@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert, get_worker_info
 
 from torchrelay.errors import StreamError
 from torchrelay.train.session import current_session
@@ -51,7 +51,7 @@ POLL_S = 0.5  # how long one call waits for a record when none is fetched yet
 # partitions (raises ``StreamError`` when it does not exist); ``ends(partitions)`` the end
 # offsets of a bounded read (None: unbounded); ``records(starts, ends)`` yields lists of
 # ``(partition, offset, value)`` (each what one fetch brought), in offset order per partition,
-# from ``starts`` to ``ends``.
+# from ``starts`` to ``ends``; ``release()`` (optional) closes what ``count``/``ends`` opened.
 
 
 class KafkaSource:
@@ -69,12 +69,22 @@ class KafkaSource:
                          "enable.auto.commit": False, "enable.partition.eof": True,
                          "auto.offset.reset": "earliest", **self.options})
 
-    def count(self) -> int:
-        consumer = self._new_consumer()
-        try:
-            meta = consumer.list_topics(self.topic, timeout=self.timeout_s).topics.get(self.topic)
-        finally:
+    def _meta(self) -> Any:
+        """One consumer for ``count`` and ``ends`` (each consumer costs a connection and a
+        close), until ``release``."""
+        if self._consumer is None:
+            self._consumer = self._new_consumer()
+        return self._consumer
+
+    def release(self) -> None:
+        """Close the consumer of ``count`` and ``ends``: before a DataLoader forks its workers
+        (librdkafka's threads do not survive a fork) and before reading."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
             consumer.close()
+
+    def count(self) -> int:
+        meta = self._meta().list_topics(self.topic, timeout=self.timeout_s).topics.get(self.topic)
         if meta is None or meta.error is not None or not meta.partitions:
             raise StreamError(f"{self.name} does not exist ({meta.error if meta is not None else 'not listed'}); "
                               "create it, or name an existing topic")
@@ -83,12 +93,9 @@ class KafkaSource:
     def ends(self, partitions: list[int]) -> dict[int, int]:
         from confluent_kafka import TopicPartition
 
-        consumer = self._new_consumer()
-        try:
-            return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout_s)[1]
-                    for p in partitions}
-        finally:
-            consumer.close()
+        consumer = self._meta()
+        return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout_s)[1]
+                for p in partitions}
 
     @staticmethod
     def _fetch(consumer: Any) -> list[Any]:
@@ -312,20 +319,25 @@ class StreamLoader:
 
     def _prepare(self) -> tuple[int, int]:
         ctx = current_session().known_context()
-        if getattr(self.source, "partitions", None) is None:
-            self.source.partitions = self.source.count()
-            assign(self.source.partitions, world=ctx.world_size, rank=ctx.rank, stream=self.source.name)
-        if self.bounded and self.ends is None:
-            self.ends = self.source.ends(list(range(self.source.partitions)))
+        try:
+            if getattr(self.source, "partitions", None) is None:
+                self.source.partitions = self.source.count()
+                assign(self.source.partitions, world=ctx.world_size, rank=ctx.rank, stream=self.source.name)
+            if self.bounded and self.ends is None:
+                self.ends = self.source.ends(list(range(self.source.partitions)))
+        finally:
+            getattr(self.source, "release", lambda: None)()
         return ctx.rank, ctx.world_size
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = self._prepare()
         dataset = _Batches(self.source, rank=rank, world=world, make=self.make, batch_size=self.batch_size,
                            start=Position(self.position.offsets), ends=self.ends if self.bounded else None)
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            persistent_workers=False, multiprocessing_context="fork" if self.num_workers else None)
-        chunks = iter(loader)
+        if self.num_workers:
+            chunks = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                     persistent_workers=False, multiprocessing_context="fork"))
+        else:  # in this process: what a DataLoader without workers does, without its cost per item
+            chunks = map(default_convert, dataset)
         try:
             while self.max_steps is None or self.steps < self.max_steps:  # checked before waiting for more
                 try:
