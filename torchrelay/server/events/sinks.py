@@ -133,8 +133,6 @@ class _BatchConfirms:
         """Write the events' frames (``amqp_frames``) straight to the connection's buffer,
         ``FLUSH`` messages at a time, each lot sent as it is made (the broker stores it while
         the next is encoded); then wait for the confirms of all of them."""
-        if not self.impl.is_open:
-            raise ConnectionError(f"channel {self.impl.channel_number} is closed")
         connection, channel = self.impl.connection, self.impl.channel_number
         body_max = connection._body_max_length  # noqa: SLF001 - the frame size pika negotiated
         first, lot = self.sent + 1, []
@@ -158,8 +156,8 @@ class _BatchConfirms:
         return max(0, self.acked - first + 1)  # confirmed in order from the batch's first
 
     def _send(self, connection, lot: list[bytes]) -> None:  # noqa: ANN001 - pika's Connection
-        if connection.is_closed:
-            raise ConnectionError("the connection is closed")
+        if connection.is_closed or not self.impl.is_open:  # e.g. closed by the broker while we sent
+            raise ConnectionError(f"the connection or channel {self.impl.channel_number} is closed")
         connection._output_marshaled_frames([b"".join(lot)])  # noqa: SLF001 - what basic_publish ends in
         self.connection.process_data_events(time_limit=0)  # out now; take in the confirms so far
 
