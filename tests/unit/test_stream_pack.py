@@ -3,7 +3,7 @@ is made of comes back the same, with its tensors as tensors, through pickle (the
 from __future__ import annotations
 
 import pickle
-from collections import OrderedDict, namedtuple
+from collections import Counter, OrderedDict, namedtuple
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ CASES = [
     [torch.zeros(3), ["a", "b"]],
     {"x": torch.ones(2), "meta": {"ids": torch.tensor([7, 8]), "name": ["p", "q"]}},
     OrderedDict(x=torch.ones(1)),
+    Counter(a=3),  # another dict type
     Pair(torch.ones(2), torch.tensor([3, 4])),
     torch.ones(2, dtype=torch.bfloat16),  # no numpy dtype: crosses as a tensor
     [(Pair(torch.ones(1), 5), {0: 12})],  # a chunk: (batch, consumed offsets) pairs
