@@ -78,8 +78,8 @@ class KafkaSource:
         return self._consumer
 
     def release(self) -> None:
-        """Close the consumer of ``count`` and ``ends``: before a DataLoader forks its workers
-        (librdkafka's threads do not survive a fork) and before reading."""
+        """Close the consumer of ``count`` and ``ends`` before a DataLoader forks its workers
+        (librdkafka's threads do not survive a fork); without workers ``records`` reads with it."""
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             consumer.close()
@@ -109,7 +109,7 @@ class KafkaSource:
     def records(self, starts: dict[int, int], ends: dict[int, int] | None) -> Iterator[list[tuple[int, int, bytes]]]:
         from confluent_kafka import KafkaError, TopicPartition
 
-        consumer = self._new_consumer()
+        consumer, self._consumer = self._consumer or self._new_consumer(), None  # count's, if not released
         try:
             todo = {p for p in starts if ends is None or starts[p] < ends[p]}
             if not todo:
@@ -336,14 +336,18 @@ class StreamLoader:
 
     def _prepare(self) -> tuple[int, int]:
         ctx = current_session().known_context()
+        release = getattr(self.source, "release", lambda: None)
         try:
             if getattr(self.source, "partitions", None) is None:
                 self.source.partitions = self.source.count()
                 assign(self.source.partitions, world=ctx.world_size, rank=ctx.rank, stream=self.source.name)
             if self.bounded and self.ends is None:
                 self.ends = self.source.ends(list(range(self.source.partitions)))
-        finally:
-            getattr(self.source, "release", lambda: None)()
+        except BaseException:
+            release()
+            raise
+        if self.num_workers:
+            release()  # before the fork; without workers the source reads with what it opened
         return ctx.rank, ctx.world_size
 
     def __iter__(self) -> Iterator[Any]:
