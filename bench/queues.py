@@ -6,7 +6,7 @@
   server's commit of an event (its ``time``) to a consumer's receipt, p50/p95. RabbitMQ: a
   private node (tests/services/rabbitmq.py).
 - kafka: ``rt.kafka_loader`` vs a raw confluent-kafka consumer of the same topic (``consume``
-  of up to 1,000 messages a call, as the loader reads), both decoding and collating the same records (librdkafka's mock cluster, or ``--kafka HOST:PORT``): records/s.
+  of up to 1,000 messages a call, no more than are left), both decoding and collating the same records (librdkafka's mock cluster, or ``--kafka HOST:PORT``): records/s.
 - stream training: the digits MLP's step time reading its batches from that topic (binary
   records, one DataLoader worker, ``decode_batch``: a batch decoded at once) vs from memory (a
   ``TensorDataset`` DataLoader): ratio memory / stream; and the same with ``decode`` per record.
