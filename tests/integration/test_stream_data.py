@@ -149,6 +149,36 @@ def test_stream_errors_name_the_topic_and_the_counts(kafka, monkeypatch):
         next(iter(uneven))
 
 
+def decode_ids(values: list[bytes]):
+    """``decode_batch``: a batch's ids at once."""
+    import torch
+
+    return torch.tensor([json.loads(v)["id"] for v in values])
+
+
+def test_a_worker_hands_over_whole_fetches_and_a_stop_inside_one_keeps_the_rest(kafka, monkeypatch):
+    """One worker hands over each fetch's batches at once (``decode_batch``); ``max_steps``
+    ending inside such a hand-off leaves the position after the last batch handed out, so a
+    loader restored from it reads every other record, each once."""
+    from torchrelay.train.stream_data import kafka_loader
+
+    bootstrap, producer = kafka
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    topic = f"relay-data-{secrets.token_hex(3)}"
+    ids = fill(producer, topic)
+    first = kafka_loader(topic, bootstrap=bootstrap, decode_batch=decode_ids, batch_size=BATCH, num_workers=1,
+                         max_steps=5)
+    seen = [int(i) for batch in first for i in batch]
+    assert len(seen) == 5 * BATCH and first.steps == 5
+    rest = kafka_loader(topic, bootstrap=bootstrap, decode_batch=decode_ids, batch_size=BATCH, num_workers=1)
+    rest.load_state_dict(first.state_dict())
+    later = [int(i) for batch in rest for i in batch]
+    assert sorted(seen + later) == sorted(ids)  # every record once: none skipped, none twice
+    with pytest.raises(ValueError, match="exactly one"):
+        kafka_loader(topic, bootstrap=bootstrap, decode=decode, decode_batch=decode_ids, batch_size=BATCH)
+
+
 def test_rabbitmq_stream_resumes_from_its_offsets(rabbitmq, monkeypatch):
     import pika
 

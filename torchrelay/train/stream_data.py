@@ -12,7 +12,10 @@ Contract:
   named stream is one partition) are assigned to ranks and DataLoader workers by
   ``stream_plan.assign``: fixed for the run, no consumer group, no rebalance. Each worker
   decodes records with ``decode(bytes) -> sample`` and collates ``batch_size`` of them
-  (``torch.utils.data.default_collate``); a batch holds records of one partition.
+  (``torch.utils.data.default_collate``), or, given ``decode_batch(list[bytes]) -> batch``
+  instead, makes each batch from its records' values in one call (no Python work per record:
+  e.g. numpy over the joined bytes); a batch holds records of one partition. A worker hands
+  over the batches of each fetch at once, their tensors as numpy arrays through its pipe.
 - ``bounded=True`` (Kafka's default) reads up to each partition's end offset as it was when the
   loader first started; ``bounded=False`` reads on, waiting for new records, until
   ``max_steps`` batches (``StreamLoader`` stops there; required when unbounded). RabbitMQ
@@ -31,19 +34,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
+from torch.utils.data._utils.collate import collate, default_collate_fn_map  # what default_collate's docs extend
 
 from torchrelay.errors import StreamError
 from torchrelay.train.session import current_session
 from torchrelay.train.stream_plan import Position, assign
 
 Decode = Callable[[bytes], Any]
+DecodeBatch = Callable[[list[bytes]], Any]
+CHUNK = 1000  # records a Kafka consumer hands over per call at most
+POLL_S = 0.5  # how long one call waits for a record when none is fetched yet
 
 
 # A source (``KafkaSource``, ``RabbitStreamSource``): ``name`` for messages; ``count()`` its
 # partitions (raises ``StreamError`` when it does not exist); ``ends(partitions)`` the end
-# offsets of a bounded read (None: unbounded); ``records(starts, ends)`` yields
-# ``(partition, offset, value)``, in offset order per partition, from ``starts`` to ``ends``.
+# offsets of a bounded read (None: unbounded); ``records(starts, ends)`` yields lists of
+# ``(partition, offset, value)`` (each what one fetch brought), in offset order per partition,
+# from ``starts`` to ``ends``; ``release()`` (optional) closes what ``count``/``ends`` opened.
 
 
 class KafkaSource:
@@ -61,12 +70,22 @@ class KafkaSource:
                          "enable.auto.commit": False, "enable.partition.eof": True,
                          "auto.offset.reset": "earliest", **self.options})
 
-    def count(self) -> int:
-        consumer = self._new_consumer()
-        try:
-            meta = consumer.list_topics(self.topic, timeout=self.timeout_s).topics.get(self.topic)
-        finally:
+    def _meta(self) -> Any:
+        """One consumer for ``count`` and ``ends`` (each consumer costs a connection and a
+        close), until ``release``."""
+        if self._consumer is None:
+            self._consumer = self._new_consumer()
+        return self._consumer
+
+    def release(self) -> None:
+        """Close the consumer of ``count`` and ``ends`` before a DataLoader forks its workers
+        (librdkafka's threads do not survive a fork); without workers ``records`` reads with it."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
             consumer.close()
+
+    def count(self) -> int:
+        meta = self._meta().list_topics(self.topic, timeout=self.timeout_s).topics.get(self.topic)
         if meta is None or meta.error is not None or not meta.partitions:
             raise StreamError(f"{self.name} does not exist ({meta.error if meta is not None else 'not listed'}); "
                               "create it, or name an existing topic")
@@ -75,35 +94,45 @@ class KafkaSource:
     def ends(self, partitions: list[int]) -> dict[int, int]:
         from confluent_kafka import TopicPartition
 
-        consumer = self._new_consumer()
-        try:
-            return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout_s)[1]
-                    for p in partitions}
-        finally:
-            consumer.close()
+        consumer = self._meta()
+        return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=self.timeout_s)[1]
+                for p in partitions}
 
-    def records(self, starts: dict[int, int], ends: dict[int, int] | None) -> Iterator[tuple[int, int, bytes]]:
+    @staticmethod
+    def _fetch(consumer: Any) -> list[Any]:
+        """What librdkafka has fetched already (up to ``CHUNK``, without waiting), or else the
+        next message as soon as one comes (at most ``POLL_S``). Never ``consume(n, timeout)``
+        with a fixed ``n``: it waits out the whole timeout for the last records of a bounded
+        read (0.5 s: 5 ms a step over a 100-step run) and for every slow batch of an unbounded one."""
+        return consumer.consume(num_messages=CHUNK, timeout=0) or consumer.consume(num_messages=1, timeout=POLL_S)
+
+    def records(self, starts: dict[int, int], ends: dict[int, int] | None) -> Iterator[list[tuple[int, int, bytes]]]:
         from confluent_kafka import KafkaError, TopicPartition
 
-        consumer = self._new_consumer()
+        consumer, self._consumer = self._consumer or self._new_consumer(), None  # count's, if not released
         try:
             todo = {p for p in starts if ends is None or starts[p] < ends[p]}
             if not todo:
                 return
             consumer.assign([TopicPartition(self.topic, p, starts[p]) for p in sorted(todo)])
             while todo:
-                for msg in consumer.consume(num_messages=1000, timeout=0.5):  # many per call: far cheaper
-                    if msg.error():
-                        if msg.error().code() == KafkaError._PARTITION_EOF:
-                            continue
-                        raise StreamError(f"{self.name}: {msg.error()}")
+                chunk = []
+                for msg in self._fetch(consumer):
                     p, offset = msg.partition(), msg.offset()
+                    if msg.error():
+                        if msg.error().code() != KafkaError._PARTITION_EOF:
+                            raise StreamError(f"{self.name}: {msg.error()}")
+                        if ends is not None and offset >= ends[p]:
+                            todo.discard(p)  # its end offset reached (it may be no record's: a gap)
+                        continue
                     if ends is not None and offset >= ends[p]:
                         todo.discard(p)
                         continue
-                    yield p, offset, msg.value()
+                    chunk.append((p, offset, msg.value()))
                     if ends is not None and offset + 1 >= ends[p]:
                         todo.discard(p)
+                if chunk:
+                    yield chunk
         finally:
             consumer.close()
 
@@ -135,7 +164,7 @@ class RabbitStreamSource:
     def ends(self, partitions: list[int]) -> None:
         return None  # read unbounded
 
-    def records(self, starts: dict[int, int], ends: None) -> Iterator[tuple[int, int, bytes]]:
+    def records(self, starts: dict[int, int], ends: None) -> Iterator[list[tuple[int, int, bytes]]]:
         import pika
 
         connection = pika.BlockingConnection(pika.URLParameters(self.url))
@@ -152,8 +181,10 @@ class RabbitStreamSource:
                 channel.basic_consume(self.streams[p], on_message, arguments={"x-stream-offset": start})
             while True:
                 connection.process_data_events(time_limit=0.5)
-                while pending:
-                    yield pending.pop(0)
+                if pending:
+                    chunk = pending[:]
+                    pending.clear()
+                    yield chunk
         finally:
             try:
                 connection.close()
@@ -163,42 +194,138 @@ class RabbitStreamSource:
 
 class _Batches(IterableDataset):
     """One rank's batches: in each DataLoader worker, that worker's partitions from the
-    position, ``batch_size`` records of one partition per batch, each with the last offset it holds."""
+    position, ``batch_size`` records of one partition per batch, each with the last offset it
+    holds. Yields lists of ``(batch, {partition: last offset})``: the batches completed by one
+    fetch, handed over at once (one hand-off per fetch, not per batch; ``_pack``)."""
 
-    def __init__(self, source: Any, *, rank: int, world: int, decode: Decode, batch_size: int,
+    def __init__(self, source: Any, *, rank: int, world: int, make: DecodeBatch, batch_size: int,
                  start: Position, ends: dict[int, int] | None):
         super().__init__()
         self.source, self.rank, self.world = source, rank, world
-        self.decode, self.batch_size, self.start, self.ends = decode, batch_size, start, ends
+        self.make, self.batch_size, self.start, self.ends = make, batch_size, start, ends
 
-    def __iter__(self) -> Iterator[tuple[Any, dict[int, int]]]:
+    def __iter__(self) -> Iterator[list[tuple[Any, dict[int, int]]]]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         mine = assign(self.source.partitions, world=self.world, rank=self.rank, workers=workers, worker=worker,
                       stream=self.source.name)
         starts = {p: self.start.start(p, 0) for p in mine}
         ends = None if self.ends is None else {p: self.ends[p] for p in mine}
+        pack = _pack if info is not None else _same
         open_batches: dict[int, list[Any]] = {}
         last: dict[int, int] = {}
-        for partition, offset, value in self.source.records(starts, ends):
-            batch = open_batches.setdefault(partition, [])
-            batch.append(self.decode(value))
-            last[partition] = offset
-            if len(batch) == self.batch_size:
-                yield default_collate(batch), {partition: offset}
-                open_batches[partition] = []
-        for partition, batch in open_batches.items():  # a bounded stream's short last batches
-            if batch:
-                yield default_collate(batch), {partition: last[partition]}
+        make, size = self.make, self.batch_size
+        for chunk in self.source.records(starts, ends):
+            ready = []
+            for partition, offset, value in chunk:
+                batch = open_batches.setdefault(partition, [])
+                batch.append(value)
+                last[partition] = offset
+                if len(batch) == size:
+                    ready.append((make(batch), {partition: offset}))
+                    open_batches[partition] = []
+            if ready:
+                yield pack(ready)
+        tail = [(make(batch), {partition: last[partition]})  # a bounded stream's short last batches
+                for partition, batch in open_batches.items() if batch]
+        if tail:
+            yield pack(tail)
+
+
+class _Array:
+    """A tensor crossing from a DataLoader worker to the training process as a numpy array,
+    pickled by value through the worker's pipe. A tensor itself would cross as a shared-memory
+    segment whose file descriptor is handed over a socket of its own, with an authentication
+    handshake, per tensor: about a millisecond each on a busy 2-core machine, more than a
+    small model's whole step."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any):
+        self.array = array
+
+    def __reduce__(self) -> tuple:
+        return _Array, (self.array,)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with ``leaf`` applied to each leaf of the containers ``default_collate`` makes
+    (dicts, lists, tuples, named tuples)."""
+    if isinstance(value, dict):
+        walked = {k: _walk(v, leaf) for k, v in value.items()}
+        if type(value) is not dict:
+            try:
+                return type(value)(walked)  # an OrderedDict stays one; a defaultdict cannot be rebuilt so
+            except TypeError:
+                pass
+        return walked
+    if isinstance(value, tuple):
+        items = [_walk(v, leaf) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items) if type(value) is tuple \
+            else type(value)(items)
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
+    return leaf(value)
+
+
+def _to_array(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad:
+        try:
+            return _Array(value.numpy())
+        except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, quantized): as a tensor, shared
+            return value
+    return value
+
+
+def _from_array(value: Any) -> Any:
+    return torch.from_numpy(value.array) if isinstance(value, _Array) else value
+
+
+def _pack(batches: Any) -> Any:
+    return _walk(batches, _to_array)
+
+
+def _unpack(batches: Any) -> Any:
+    return _walk(batches, _from_array)
+
+
+def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    return torch.stack(batch, 0)
+
+
+# ``default_collate`` but for where a tensor's batch is made: in ordinary memory. In a worker,
+# ``default_collate`` makes it in a new shared-memory segment (a third of a small batch's
+# collate time), which is of no use: the batches cross as numpy arrays (``_pack``)
+_PLAIN = {**default_collate_fn_map, torch.Tensor: _stack}
+
+
+class _Collated:
+    """A batch from its records' values: each decoded by ``decode``, then collated as
+    ``default_collate`` does (``_PLAIN``)."""
+
+    def __init__(self, decode: Decode):
+        self.decode = decode
+
+    def __call__(self, values: list[bytes]) -> Any:
+        decode = self.decode
+        return collate([decode(v) for v in values], collate_fn_map=_PLAIN)
 
 
 class StreamLoader:
     """Batches of a stream for this rank, with the position ``TrainState`` checkpoints."""
 
-    def __init__(self, source: Any, *, decode: Decode, batch_size: int, num_workers: int = 0,
-                 bounded: bool = True, max_steps: int | None = None):
+    def __init__(self, source: Any, *, decode: Decode | None = None, batch_size: int, num_workers: int = 0,
+                 bounded: bool = True, max_steps: int | None = None, decode_batch: DecodeBatch | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if (decode is None) == (decode_batch is None):
+            raise ValueError(f"give decode (one record -> a sample) or decode_batch (a batch's records -> "
+                             f"the batch), exactly one; got decode={decode!r}, decode_batch={decode_batch!r}")
+        self.make = decode_batch or _Collated(decode)
         if not bounded and max_steps is None:
             raise ValueError("an unbounded stream needs max_steps (batches to train on); or bounded=True")
         self.source, self.decode, self.batch_size = source, decode, batch_size
@@ -209,31 +336,43 @@ class StreamLoader:
 
     def _prepare(self) -> tuple[int, int]:
         ctx = current_session().known_context()
-        if getattr(self.source, "partitions", None) is None:
-            self.source.partitions = self.source.count()
-            assign(self.source.partitions, world=ctx.world_size, rank=ctx.rank, stream=self.source.name)
-        if self.bounded and self.ends is None:
-            self.ends = self.source.ends(list(range(self.source.partitions)))
+        release = getattr(self.source, "release", lambda: None)
+        try:
+            if getattr(self.source, "partitions", None) is None:
+                self.source.partitions = self.source.count()
+                assign(self.source.partitions, world=ctx.world_size, rank=ctx.rank, stream=self.source.name)
+            if self.bounded and self.ends is None:
+                self.ends = self.source.ends(list(range(self.source.partitions)))
+        except BaseException:
+            release()
+            raise
+        if self.num_workers:
+            release()  # before the fork; without workers the source reads with what it opened
         return ctx.rank, ctx.world_size
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = self._prepare()
-        dataset = _Batches(self.source, rank=rank, world=world, decode=self.decode, batch_size=self.batch_size,
+        dataset = _Batches(self.source, rank=rank, world=world, make=self.make, batch_size=self.batch_size,
                            start=Position(self.position.offsets), ends=self.ends if self.bounded else None)
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            persistent_workers=False, multiprocessing_context="fork" if self.num_workers else None)
-        batches = iter(loader)
+        if self.num_workers:
+            chunks = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                     persistent_workers=False, multiprocessing_context="fork"))
+        else:  # in this process: what a DataLoader without workers does, without its cost per item
+            chunks = map(default_convert, dataset)
         try:
             while self.max_steps is None or self.steps < self.max_steps:  # checked before waiting for more
                 try:
-                    batch, consumed = next(batches)
+                    chunk = _unpack(next(chunks))
                 except StopIteration:
                     return
-                self.position.advance(consumed)
-                self.steps += 1
-                yield batch
+                for batch, consumed in chunk:
+                    if self.max_steps is not None and self.steps >= self.max_steps:
+                        return  # the rest of the chunk is not handed out: the position stays before it
+                    self.position.advance(consumed)
+                    self.steps += 1
+                    yield batch
         finally:
-            del batches  # its workers end with it
+            del chunks  # its workers end with it
 
     # ---------------------------------------------------------------- ``train.resumable.ResumableStream``
 
@@ -259,22 +398,22 @@ class StreamLoader:
             self.ends = {int(p): int(o) for p, o in state["ends"].items()}
 
 
-def kafka_loader(topic: str, *, bootstrap: str, decode: Decode, batch_size: int, num_workers: int = 0,
-                 bounded: bool = True, max_steps: int | None = None,
-                 options: dict[str, Any] | None = None) -> StreamLoader:
+def kafka_loader(topic: str, *, bootstrap: str, decode: Decode | None = None, batch_size: int, num_workers: int = 0,
+                 bounded: bool = True, max_steps: int | None = None, options: dict[str, Any] | None = None,
+                 decode_batch: DecodeBatch | None = None) -> StreamLoader:
     """Batches of a Kafka topic for this rank (see the module docstring). ``options``: more
     librdkafka consumer settings (security, fetch sizes)."""
     return StreamLoader(KafkaSource(topic, bootstrap, options), decode=decode, batch_size=batch_size,
-                        num_workers=num_workers, bounded=bounded, max_steps=max_steps)
+                        num_workers=num_workers, bounded=bounded, max_steps=max_steps, decode_batch=decode_batch)
 
 
-def rabbitmq_stream_loader(streams: str | list[str], *, url: str, decode: Decode, batch_size: int,
-                           max_steps: int, num_workers: int = 0) -> StreamLoader:
+def rabbitmq_stream_loader(streams: str | list[str], *, url: str, decode: Decode | None = None, batch_size: int,
+                           max_steps: int, num_workers: int = 0, decode_batch: DecodeBatch | None = None) -> StreamLoader:
     """Batches of RabbitMQ streams (each one partition) for this rank, read unbounded until
     ``max_steps`` batches (see the module docstring)."""
     names = [streams] if isinstance(streams, str) else list(streams)
     return StreamLoader(RabbitStreamSource(names, url), decode=decode, batch_size=batch_size,
-                        num_workers=num_workers, bounded=False, max_steps=max_steps)
+                        num_workers=num_workers, bounded=False, max_steps=max_steps, decode_batch=decode_batch)
 
 
 __all__ = ["StreamLoader", "kafka_loader", "rabbitmq_stream_loader", "KafkaSource", "RabbitStreamSource"]

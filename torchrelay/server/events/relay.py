@@ -36,7 +36,7 @@ from torchrelay.server.store import EventCursorRow, EventRow, MetricRow, NodeEve
 from torchrelay.server.views import job_id_of
 
 log = logging.getLogger(__name__)
-BATCH = 500
+BATCH = 2000  # events a publish carries: the sink streams them and waits for the confirms once
 
 
 def read_job_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]:
@@ -58,7 +58,7 @@ def read_node_events(engine: Any, after: int, limit: int = BATCH) -> list[Event]
     return [Event(seq=r.id, time=r.time, kind="node", node=r.node_name, state=r.state) for r in rows]
 
 
-def read_metric_summaries(engine: Any, after: int, limit: int = 20 * BATCH) -> list[Event]:
+def read_metric_summaries(engine: Any, after: int, limit: int = 10_000) -> list[Event]:
     """One summary per job of the metric points stored after ``after`` (``metric_summaries``)."""
     table = MetricRow.__table__
     with engine.connect() as conn:
