@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from torchrelay.scheduler.cluster import Cluster, alternatives
-from torchrelay.scheduler.placement import Choice, feasible, place_best
+from torchrelay.scheduler.placement import Choice, feasible, largest_fitting, place_best
 from torchrelay.scheduler.types import Allocation, QueuedJob
 
 
@@ -60,12 +60,6 @@ def grow_one(cluster: Cluster, alloc: Allocation, free: np.ndarray,
 
     if not fits(1):
         return None
-    low, high = 1, want
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle - 1
+    low = largest_fitting(1, want, fits)
     choice = place_best(cluster, tiers, dataclasses.replace(probe, workers=low), free, allowed)
     return (low, choice) if choice is not None else None

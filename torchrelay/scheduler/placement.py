@@ -277,3 +277,15 @@ def use_of(choice: Choice, cluster: Cluster | None = None) -> tuple[np.ndarray, 
             rows[node] = rows[node] + taken if node in rows else taken
     ordered = sorted(rows)
     return np.array(ordered, dtype=np.int64), np.array([rows[i] for i in ordered], dtype=np.float64).reshape(-1, 3)
+
+
+def largest_fitting(low: int, high: int, fits) -> int:  # noqa: ANN001 - fits: Callable[[int], bool]
+    """The largest count in ``low..high`` for which ``fits`` holds, by bisection (fitting is
+    monotone: fewer workers fit wherever more do); ``low`` itself must fit."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low

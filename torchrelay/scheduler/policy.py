@@ -64,7 +64,8 @@ from torchrelay.scheduler.cluster import (Cluster, alternatives, check_input, ga
 from torchrelay.scheduler.fairshare import Accounts, fair_order
 from torchrelay.scheduler.fitindex import FitIndex
 from torchrelay.scheduler.grow import candidates, grow_one
-from torchrelay.scheduler.placement import Choice, feasible, nodes_of, on_cpu, place_best, use_of
+from torchrelay.scheduler.placement import (Choice, feasible, largest_fitting, nodes_of, on_cpu, place_best,
+                                            use_of)
 from torchrelay.scheduler.preemption import VictimPool
 from torchrelay.scheduler.shrink import ShrinkPool
 from torchrelay.scheduler.types import Allocation, Decisions, Grow, Placement, QueuedJob, SchedulerInput, Shrink
@@ -487,16 +488,11 @@ class _Cycle:
             return (not self.memo.known_fail(key, workers)
                     and self.free_index.fits(tiers, dataclasses.replace(job, workers=workers), override))
 
-        low, high = job.min_workers, job.workers - 1
+        low = job.min_workers
         if not fits(low):
             self.memo.record_fail(key, low)
             return job, None
-        while low < high:
-            middle = (low + high + 1) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle - 1
+        low = largest_fitting(low, job.workers - 1, fits)
         smaller = dataclasses.replace(job, workers=low)
         return smaller, self.try_place(smaller, tiers, key, low, long)
 
