@@ -48,6 +48,9 @@ from torchrelay.train.artifacts import store_options
 from torchrelay.train.data import data_rank_world
 
 DEFAULT_CACHE = os.path.join("~", ".cache", "torchrelay", "shards")
+# a shard is fetched in ranged reads of this size (one GET for shards up to it): read_ahead of them
+# in memory at once at most
+FETCH_BYTES = 64 << 20
 _PLAN_KEYS = ("dataset", "world_size", "rank", "seed", "shuffle_buffer", "shuffle", "even", "batch_size")
 
 
@@ -178,9 +181,17 @@ class _Window:
         self.last_use = dict(zip(unique.tolist(), last.tolist()))
         self.next_fetch = 0
         self.loading: dict[int, Future] = {}
+        # samples in one run of the same shard share a run number: a batch within one run is gathered directly
+        changes = shards[1:] != shards[:-1]
+        self.run = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(changes, 0)]) if len(shards) else shards
 
     def gather(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         self._fetch_through(stop)
+        if self.run[start] == self.run[stop - 1]:  # one shard: rows picked in batch order, nothing to reorder
+            out = {key: column.index_select(0, self.rows[start:stop])
+                   for key, column in self.loading[int(self.shards[start])].result().items()}
+            self._drop_done(stop)
+            return out
         shards, rows = self.shards[start:stop], self.rows[start:stop]
         # one index_select per shard and field, in shard order, then one scatter back to batch order
         order = torch.argsort(shards, stable=True)
@@ -198,9 +209,12 @@ class _Window:
             gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[key] = torch.empty_like(gathered)
             out[key][order] = gathered
+        self._drop_done(stop)
+        return out
+
+    def _drop_done(self, stop: int) -> None:
         for shard in [s for s in self.loading if self.last_use[s] < stop]:
             del self.loading[shard]  # its last sample is out: the mapping goes with the last reference
-        return out
 
     def _fetch_through(self, stop: int) -> None:
         """Start fetching every shard first used before ``stop``, and ``read_ahead`` more."""
@@ -232,11 +246,14 @@ class _DiskCache:
                 return path
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         try:
-            with store.open_read(entry.name) as source, open(tmp, "wb") as out:
-                hasher = hashlib.sha256()  # hashed as it arrives: no second pass over the file
-                for block in iter(lambda: source.read(8 << 20), b""):
-                    hasher.update(block)
-                    out.write(block)
+            with open(tmp, "wb") as out:
+                hasher = hashlib.sha256()
+                for start in range(0, entry.bytes, FETCH_BYTES):  # ranged GETs: no HEAD, no buffered-file copies
+                    piece = store.get_range(entry.name, start, min(start + FETCH_BYTES, entry.bytes))
+                    hasher.update(piece)
+                    out.write(piece)
+                    if not piece:
+                        break  # the store's object is shorter than the index says: the digest tells
             digest = hasher.hexdigest()
             if digest != entry.sha256:
                 raise StorageError(f"shard {store.url_of(entry.name)} has sha256 {digest[:12]}…, its index says "
