@@ -159,9 +159,10 @@ class ArtifactStore:
         """(key relative to ``prefix``, size) of every file below ``prefix``, sorted; skips temp files."""
         base = self.full_path(prefix).rstrip("/")
         with self._failures("list", prefix):
-            if not self.fs.exists(base):
+            try:  # no exists() first: on S3 that is two more round trips (HEAD, then a listing)
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
                 return iter(())
-            found = self.fs.find(base, detail=True)
         out = []
         for path, info in found.items():
             rel = keys.relative_to(base, path)
@@ -173,7 +174,7 @@ class ArtifactStore:
     def delete_prefix(self, prefix: str) -> None:
         path = self.full_path(prefix)
         with self._failures("delete", prefix):
-            if self.fs.exists(path):
+            with contextlib.suppress(FileNotFoundError):  # nothing there (asked by rm's own listing, not a HEAD first)
                 self.fs.rm(path, recursive=True)
 
     # ------------------------------------------------------------ conditional writes
