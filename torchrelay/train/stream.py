@@ -17,7 +17,8 @@ Contract (``ShardStream``):
   gets the same count and the last ``samples % world_size`` are left out, for DDP's equal
   steps). Within a rank, samples pass a shuffle buffer of ``shuffle_buffer`` (0: shard order).
 - Shards are fetched ahead in ``read_ahead`` background threads, in the order the epoch
-  needs them, and kept in a local disk cache (``cache_dir``, default ``$RELAY_DATA_CACHE`` or
+  needs them (default: about 64 MiB of shards, 2 to 8 of them: small shards are many requests
+  whose latencies only overlap when several are in flight), and kept in a local disk cache (``cache_dir``, default ``$RELAY_DATA_CACHE`` or
   ``~/.cache/torchrelay/shards``; files named by their sha256, checked once when fetched; the
   least recently used go past ``cache_bytes``). A store that is a local or mounted folder is
   read in place, not cached. Shards are read with ``torch.load(weights_only=True, mmap=True)``.
@@ -42,7 +43,7 @@ import torch
 
 from torchrelay.errors import StorageError
 from torchrelay.shards.format import INDEX, ShardEntry, ShardIndex, parse_size
-from torchrelay.shards.plan import buffered_order, rank_bounds, rank_spans, shard_order
+from torchrelay.shards.plan import buffered_order, rank_bounds, rank_spans, read_ahead_for, shard_order
 from torchrelay.storage import ArtifactStore
 from torchrelay.train.artifacts import store_options
 from torchrelay.train.data import data_rank_world
@@ -61,16 +62,19 @@ def stream(url: str, *, batch_size: int, **options: Any) -> "ShardStream":
 
 class ShardStream:
     def __init__(self, url: str, *, batch_size: int, shuffle: bool = True, shuffle_buffer: int = 10_000,
-                 seed: int = 0, even: bool = False, drop_last: bool = False, read_ahead: int = 2,
+                 seed: int = 0, even: bool = False, drop_last: bool = False, read_ahead: int | None = None,
                  cache_dir: str | None = None, cache_bytes: str | int = "20GiB",
                  shares: Sequence[float] | None = None, rank: int | None = None, world_size: int | None = None,
                  storage_options: Mapping[str, Any] | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per rank per step)")
-        if read_ahead < 1:
-            raise ValueError(f"read_ahead={read_ahead!r} must be >= 1 (shards fetched ahead)")
+        if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, int)
+                                       or read_ahead < 1):
+            raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1 (shards fetched ahead), or None")
         self.store = ArtifactStore(url, _options_for(url, storage_options))
         self.index = ShardIndex.parse(self.store.get_bytes(INDEX), self.store.url_of(INDEX))
+        if read_ahead is None:
+            read_ahead = read_ahead_for([entry.bytes for entry in self.index.shards])
         self.rank, self.world_size = data_rank_world(rank, world_size)
         self.batch_size, self.shuffle, self.shuffle_buffer, self.seed = batch_size, shuffle, shuffle_buffer, seed
         self.even, self.drop_last, self.shares = even, drop_last, list(shares) if shares is not None else None
