@@ -87,6 +87,13 @@ class S3Backend(Backend):
             raise
         fh.close()
 
+    def delete_tree(self, path: str) -> None:
+        # one listing, then one bulk delete per 1000 keys: exists() would be a HEAD and a listing
+        # more, and rm(recursive=True) lists again (and, for a missing prefix, several times)
+        keys = self.fs.find(path)
+        if keys:
+            self.fs.rm(keys)
+
     # ------------------------------------------------------------ conditional writes
 
     def put_if_absent(self, path: str, data: bytes) -> bool:

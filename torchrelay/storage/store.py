@@ -174,8 +174,7 @@ class ArtifactStore:
     def delete_prefix(self, prefix: str) -> None:
         path = self.full_path(prefix)
         with self._failures("delete", prefix):
-            with contextlib.suppress(FileNotFoundError):  # nothing there (asked by rm's own listing, not a HEAD first)
-                self.fs.rm(path, recursive=True)
+            self._backend.delete_tree(path)
 
     # ------------------------------------------------------------ conditional writes
 
