@@ -18,8 +18,9 @@ Contract (``ShardStream``):
   steps). Within a rank, samples pass a shuffle buffer of ``shuffle_buffer`` (0: shard order).
 - Shards are fetched ahead in ``read_ahead`` background threads, in the order the epoch
   needs them (default: about 64 MiB of shards, 2 to 8 of them: small shards are many requests
-  whose latencies only overlap when several are in flight), and kept in a local disk cache (``cache_dir``, default ``$RELAY_DATA_CACHE`` or
-  ``~/.cache/torchrelay/shards``; files named by their sha256, checked once when fetched; the
+  whose latencies only overlap when several are in flight), and kept in a local disk cache
+  (``cache_dir``, default ``$RELAY_DATA_CACHE`` or ``~/.cache/torchrelay/shards``; files named
+  by their sha256, checked once when fetched, before any sample of the shard is used; the
   least recently used go past ``cache_bytes``). A store that is a local or mounted folder is
   read in place, not cached. Shards are read with ``torch.load(weights_only=True, mmap=True)``.
 - It is a ``ResumableStream`` (train.resumable): ``state_dict()`` is the epoch and the samples
