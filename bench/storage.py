@@ -3,14 +3,16 @@
 Starts a Ceph with tests/services/ceph.py (Debian's ceph-mon, ceph-osd, radosgw; root installs
 them when missing), then, rounds interleaved, medians:
 
-- save: ``CheckpointStore.save`` of a ~``--mb`` MB model state (DCP plan, parallel uploads hashed
-  as they go, ``.metadata``, the manifest by ``If-None-Match``, ``latest``) vs one raw
-  ``s3fs.pipe_file`` of the same bytes;
+- save: ``CheckpointStore.save`` of a ~``--mb`` MB model state (DCP plan; files of at most 64 MiB,
+  each gathered once and sent by ``pipe_file`` while another thread hashes it, 4 at once;
+  ``.metadata``, the manifest by ``If-None-Match``, ``latest``, pruning) vs one raw
+  ``s3fs.pipe_file`` of the same bytes (its concurrent multipart upload);
 - load: ``CheckpointStore.load`` (every file hashed against the manifest, then read into
   tensors) vs one raw ``s3fs.cat_file`` of those bytes;
 - stream: ``rt.stream`` over a ``--data-mb`` MB dataset in 8 MiB shards, a cold cache
-  (fetch, sha256, mmap, shuffle buffer, batches of 256) vs a raw sequential read of the same
-  shards (``cat_file``, ``torch.load``, slices of 256), samples/s;
+  (a ranged GET per shard, 2 read ahead; sha256 and the cache file's write; mmap; shuffle
+  buffer, batches of 256) vs a raw sequential read of the same shards (``cat_file``,
+  ``torch.load`` from memory, slices of 256), samples/s;
 - train: the digits CNN (examples/digits, one process, batches of 32) per step, its data from
   memory (``rt.shard``) vs streamed from the bucket (``rt.stream``), epochs interleaved, all
   but the first.

@@ -148,6 +148,15 @@ def fence_over_the_servers_plain_write(s):
     return s.read_fence("j")
 
 
+def ranged_reads(s):
+    s.put_bytes("r", b"0123456789")
+    with pytest.raises(ValueError, match="must have 0 <= start < end"):
+        s.get_range("r", 5, 5)
+    with pytest.raises(NotFound, match=f"no artifact at {s.url}/nope"):
+        s.get_range("nope", 0, 4)
+    return s.get_range("r", 0, 4), s.get_range("r", 7, 10), s.get_range("r", 8, 20)
+
+
 def url_of_a_key(s):
     return s.url_of("jobs/j/artifacts/m.pt").removeprefix(s.url)
 
@@ -170,6 +179,7 @@ CASES = [
     (fence_moves_forward, ([None, 0, 2, 2, 5], b"5")),
     (fence_refuses_an_older_attempt, 4),
     (fence_over_the_servers_plain_write, 3),
+    (ranged_reads, (b"0123", b"789", b"89")),
     (url_of_a_key, "/jobs/j/artifacts/m.pt"),
 ]
 

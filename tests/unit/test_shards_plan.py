@@ -5,7 +5,7 @@ import pytest
 
 from torchrelay.errors import InvalidSpec
 from torchrelay.shards.format import ShardEntry, ShardIndex, parse_size
-from torchrelay.shards.plan import Span, buffered_order, rank_bounds, rank_spans, shard_order
+from torchrelay.shards.plan import Span, buffered_order, rank_bounds, rank_spans, shard_order, read_ahead_for
 
 
 @pytest.mark.parametrize("total, world, shares, even, expected", [
@@ -88,3 +88,21 @@ def test_index_round_trip_and_refusals():
                 index.to_json().replace(b"shard-000001.pt", b"../escape")):
         with pytest.raises(InvalidSpec, match="idx"):
             ShardIndex.parse(bad, "idx")
+
+
+@pytest.mark.parametrize("shard_bytes, expected", [
+    ([8 << 20] * 9, 8),              # 8 MiB shards: 64 MiB is 8 of them
+    ([64 << 20] * 3, 2),             # large shards: the floor
+    ([1 << 30], 2),
+    ([16 << 20, 48 << 20], 2),       # the mean, 32 MiB: 2
+    ([4 << 20] * 5, 8),              # tiny shards: the ceiling
+    ([20 << 20] * 4, 4),             # 64 / 20, rounded up
+    ([], 2),
+])
+def test_read_ahead_for_keeps_about_64_mib_in_flight(shard_bytes, expected):
+    assert read_ahead_for(shard_bytes) == expected
+
+
+def test_read_ahead_for_refuses_an_empty_range():
+    with pytest.raises(ValueError, match="need 1 <= low <= high"):
+        read_ahead_for([1], low=3, high=2)

@@ -17,7 +17,7 @@ from torchrelay.train import checkpoint_dcp
 from torchrelay.train.checkpoint import (LATEST, MANIFEST, CheckpointStore, build_manifest, check_file,
                                          decode_files, decode_int_keys, encode_int_keys, parse_manifest,
                                          parse_step_dirname, step_dirname)
-from torchrelay.train.checkpoint_dcp import METADATA_FILE, load_metadata, split_into_files
+from torchrelay.train.checkpoint_dcp import METADATA_FILE, file_count, load_metadata, split_into_files
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -161,6 +161,36 @@ def test_split_into_files_balances_bytes(sizes, files, expected):
     items = [_write_item(f"{'t' if n else 'b'}{i}", n) for i, n in enumerate(sizes)]
     groups = split_into_files(items, files)
     assert [sorted(i.index.fqn for i in g) for g in groups] == [sorted(g) for g in expected]
+
+
+@pytest.mark.parametrize("total, threads, limit, expected", [
+    (0, 4, 64, 4),          # never fewer than threads
+    (210, 4, 64, 4),        # 4 files of ~52: each under the limit
+    (257, 4, 64, 5),        # one more file keeps each near the limit
+    (10_000, 4, 64, 157),
+    (64, 1, 64, 1),
+])
+def test_file_count_bounds_the_size_of_each_file(total, threads, limit, expected):
+    assert file_count(total, threads, limit) == expected
+
+
+def test_run_in_threads_keeps_order_and_the_limit():
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def call(n):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        threading.Event().wait(0.01)
+        with lock:
+            running[0] -= 1
+        return n
+
+    assert checkpoint_dcp._run_in_threads([lambda n=n: call(n) for n in range(9)], limit=3) == list(range(9))
+    assert most[0] <= 3
+    with pytest.raises(ZeroDivisionError):
+        checkpoint_dcp._run_in_threads([lambda: 1 // 0, lambda: 2], limit=1)
 
 
 class _Evil:

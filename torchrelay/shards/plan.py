@@ -12,6 +12,8 @@
 - ``buffered_order(count, buffer_size, seed)``: the order in which a shuffle buffer of
   ``buffer_size`` lets a stream of ``count`` samples (positions 0..count-1) out: a sample
   leaves at most ``buffer_size`` places before it came in, so only a window of shards is needed.
+- ``read_ahead_for(shard_bytes, budget, low, high)``: how many shards to fetch ahead when the
+  caller does not say: about ``budget`` bytes' worth, between ``low`` and ``high``.
 
 Every function depends only on its arguments (no clock, no I/O, Python's own ``random`` seeded
 from the arguments), so a resumed process, or another rank, computes the same plan.
@@ -90,3 +92,15 @@ def buffered_order(count: int, buffer_size: int, seed: str | int) -> list[int]:
     rng = random.Random(f"buffer:{seed}")
     keys = [position + rng.random() * buffer_size for position in range(count)]
     return sorted(range(count), key=keys.__getitem__)
+
+
+def read_ahead_for(shard_bytes: Sequence[int], budget: int = 64 << 20, low: int = 2, high: int = 8) -> int:
+    """Shards to fetch ahead: enough that about ``budget`` bytes are in flight (by the mean shard
+    size), at least ``low``, at most ``high``. Small shards are many requests, each with its
+    latency: more of them at once keep the store busy; large ones need few, and each is memory."""
+    if not 1 <= low <= high or budget < 1:
+        raise ValueError(f"low={low!r}, high={high!r}, budget={budget!r}: need 1 <= low <= high and budget >= 1")
+    if not shard_bytes:
+        return low
+    mean = max(1, sum(shard_bytes) // len(shard_bytes))
+    return max(low, min(high, -(-budget // mean)))

@@ -103,6 +103,11 @@ class Backend:
         self.put_atomic(probe_path, b"probe")
         self.fs.rm(probe_path)
 
+    def delete_tree(self, path: str) -> None:
+        """Delete ``path`` and everything below it; nothing when it is not there."""
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
     def remove_quietly(self, path: str) -> None:
         """Delete ``path`` if it is there, ignoring errors (cleanup after a failed write)."""
         try:

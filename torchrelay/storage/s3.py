@@ -29,6 +29,9 @@ from torchrelay.storage.conditional import (Capabilities, EtagForm, Guarantee, S
 from torchrelay.storage.failures import is_precondition_failed
 
 SINGLE_PUT_LIMIT = 5 << 30  # S3's largest PutObject
+# the part size of a whole-object write (``put_atomic``): objects from 64 MiB on go multipart in
+# 32 MiB parts, sent concurrently (checkpoint files are at most 64 MiB, so the most are one PUT)
+PART_BYTES = 32 << 20
 PROBE_FOLDER = ".relay-probe"
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
 
@@ -68,7 +71,9 @@ class S3Backend(Backend):
     # ------------------------------------------------------------ whole-object writes
 
     def put_atomic(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
+        # one PUT below 2 parts; above, s3fs's multipart upload sends its parts concurrently
+        # (``max_concurrency`` at once) and aborts the upload when one fails
+        self.fs.pipe_file(path, data, chunksize=PART_BYTES)
 
     @contextlib.contextmanager
     def open_atomic_writer(self, path: str) -> Iterator[IO[bytes]]:
@@ -81,6 +86,13 @@ class S3Backend(Backend):
             fh.closed = True  # close() would commit what was written so far
             raise
         fh.close()
+
+    def delete_tree(self, path: str) -> None:
+        # one listing, then one bulk delete per 1000 keys: exists() would be a HEAD and a listing
+        # more, and rm(recursive=True) lists again (and, for a missing prefix, several times)
+        keys = self.fs.find(path)
+        if keys:
+            self.fs.rm(keys)
 
     # ------------------------------------------------------------ conditional writes
 

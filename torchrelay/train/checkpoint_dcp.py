@@ -9,7 +9,13 @@ Contract:
 - ``StoreWriter`` is a DCP ``StorageWriter``: ``dcp.save``/``dcp.async_save`` plan the save
   (DCP's planner spreads replicated tensors over the ranks, each rank writes its share), each
   rank writes its items into ``threads`` files at once, hashing every chunk as it goes, and
-  fsyncs them (local stores). Each file's sha256 and size reach the coordinator inside the
+  fsyncs them (local stores). On any other store (S3, HDFS, …) a file is at most
+  ``OBJECT_FILE_BYTES`` (more files when the rank holds more, ``threads`` of them in flight),
+  gathered into one buffer and sent whole by the store's own writer (``put_bytes``: one PUT,
+  or s3fs's concurrent multipart upload), hashed by another thread while it goes: the upload
+  is then what a raw ``s3fs.pipe_file`` of the same bytes is, the hash off its critical path,
+  and no buffer is copied twice (fsspec's buffered S3 file copies every write, sends one part
+  at a time and only once 50 MiB are in). Each file's sha256 and size reach the coordinator inside the
   write results DCP gathers (an extra result per file, taken out again before ``.metadata`` is
   written). The coordinator calls ``on_start()`` before any rank writes (the folder is cleared
   there) and ``on_commit(entries)`` last, with sha256 and size of every file of every rank:
@@ -67,6 +73,11 @@ DIGEST_FQN = "\x00torchrelay-digest/"  # no state key starts with NUL
 # made the whole save about 1.4x slower than 1 MiB ones)
 CHUNK_BYTES = 1 << 20
 DEFAULT_THREADS = 4
+# a file of a non-local store is built in memory before it is sent: ``threads`` of these at once
+# bound the extra memory of a save (a single larger tensor makes a file of its own size). Below
+# 100 MiB s3fs sends it as one PUT; ``threads`` PUTs at once keep the gateway as busy as a raw
+# ``pipe_file``'s concurrent parts do.
+OBJECT_FILE_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------- pure parts
@@ -111,6 +122,14 @@ def row_span(sizes: tuple[int, ...], offsets: tuple[int, ...],
     if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], sizes[1:])):
         return None
     return int(offsets[0]), int(lengths[0])
+
+
+def file_count(total_bytes: int, threads: int, max_file_bytes: int) -> int:
+    """How many files a rank's ``total_bytes`` go into: ``threads``, or more so that each is near
+    ``max_file_bytes`` at most. Pure."""
+    if threads < 1 or max_file_bytes < 1:
+        raise ValueError(f"threads={threads!r} and max_file_bytes={max_file_bytes!r} must be >= 1")
+    return max(threads, -(-total_bytes // max_file_bytes))
 
 
 def digest_entry(data: bytes) -> dict[str, Any]:
@@ -193,22 +212,31 @@ def _load_sync_file_range() -> Callable[[int, int, int], None]:
 _start_writeback = _load_sync_file_range()
 
 
-def _run_in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Each call's result, the calls run in threads of their own; raises the first call's error.
+def _run_in_threads(calls: list[Callable[[], Any]], limit: int | None = None) -> list[Any]:
+    """Each call's result, in order, the calls run by at most ``limit`` threads (None: one each);
+    raises the first call's error (the calls not yet started then are not run).
 
     Plain threads rather than a ``ThreadPoolExecutor``: an async save still writing while the
     interpreter exits must finish, and executors refuse new work once exit has begun.
     """
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
+    pending = iter(range(len(calls)))
+    lock = threading.Lock()
 
-    def run(index: int) -> None:
-        try:
-            results[index] = calls[index]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
-            errors[index] = exc
+    def run() -> None:
+        while True:
+            with lock:
+                index = next(pending, None)
+                if index is None or any(errors):
+                    return
+            try:
+                results[index] = calls[index]()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+                errors[index] = exc
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"relay-ckpt-write-{i}") for i in range(len(calls))]
+    count = len(calls) if limit is None else max(1, min(limit, len(calls)))
+    threads = [threading.Thread(target=run, name=f"relay-ckpt-write-{i}") for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -253,15 +281,21 @@ class StoreWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: str = plan.storage_data
-        try:
-            self.store.fs.makedirs(self._path(""), exist_ok=True)
-        except self.store.failures as exc:
-            raise StorageError(f"cannot create {self.store.url_of(self.folder)}: {_describe(exc)}") from exc
-        groups = split_into_files(plan.items, self.threads)
-        jobs = [(f"{prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(groups)]
+        local = self.store.local
+        if local:
+            try:
+                self.store.fs.makedirs(self._path(""), exist_ok=True)
+            except self.store.failures as exc:
+                raise StorageError(f"cannot create {self.store.url_of(self.folder)}: {_describe(exc)}") from exc
+            files = self.threads
+        else:  # an object store has no folders; a file is sent whole (see the module docstring)
+            files = file_count(sum(item_nbytes(i) for i in plan.items), self.threads, OBJECT_FILE_BYTES)
+        groups = split_into_files(plan.items, files)
+        write = self._write_file if local else self._upload_file
+        calls = [lambda n=n, items=items: write(f"{prefix}{n}{DATA_SUFFIX}", items, planner)
+                 for n, items in enumerate(groups)]
         results: list[WriteResult] = []
-        for name, file_results, entry in _run_in_threads([lambda job=job: self._write_file(*job, planner)
-                                                          for job in jobs]):
+        for name, file_results, entry in _run_in_threads(calls, limit=self.threads):
             results.extend(file_results)
             # the file's digest travels to the coordinator with the results (finish() takes it out)
             results.append(WriteResult(index=MetadataIndex(f"{DIGEST_FQN}{name}"), size_in_bytes=0,
@@ -270,43 +304,61 @@ class StoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    @staticmethod
+    def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            return memoryview(data.getbuffer())
+        try:
+            return _tensor_bytes(data)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint value {item.index.fqn!r}: {exc}") from None
+
     def _write_file(self, name: str, items: list[WriteItem],
                     planner: SavePlanner) -> tuple[str, list[WriteResult], dict[str, Any]]:
+        """A local file: written a chunk at a time, each chunk's write-back started, hashed meanwhile; fsynced."""
         path = self._path(name)
         hasher = hashlib.sha256()
         results: list[WriteResult] = []
         offset = 0
         try:
-            local = self.store._local
-            # elsewhere through the store's whole-file writer: an S3 upload that raises is aborted,
-            # never completed with what was written so far (fsspec's own file would complete it)
-            key = posixpath.join(self.folder, name)
-            with (open(path, "wb", buffering=0) if local else self.store.open_write(key)) as fh:
+            with open(path, "wb", buffering=0) as fh:
                 for item in items:
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        buffer = memoryview(data.getbuffer())
-                    else:
-                        try:
-                            buffer = _tensor_bytes(data)
-                        except ValueError as exc:
-                            raise ValueError(f"checkpoint value {item.index.fqn!r}: {exc}") from None
+                    buffer = self._item_bytes(item, planner)
                     for start in range(0, len(buffer), CHUNK_BYTES):
                         chunk = buffer[start:start + CHUNK_BYTES]
                         _write_all(fh, chunk)
-                        if local:
-                            _start_writeback(fh.fileno(), offset + start, len(chunk))
+                        _start_writeback(fh.fileno(), offset + start, len(chunk))
                         hasher.update(chunk)  # while the disk takes the chunk
                     results.append(WriteResult(index=item.index, size_in_bytes=len(buffer),
                                                storage_data=(name, offset, len(buffer))))
                     offset += len(buffer)
-                if local:
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                fh.flush()
+                os.fsync(fh.fileno())
         except OSError as exc:
             raise StorageError(f"cannot write {self.store.url_of(posixpath.join(self.folder, name))}: "
                                f"{_describe(exc)}") from exc
         return name, results, {"sha256": hasher.hexdigest(), "size": offset}
+
+    def _upload_file(self, name: str, items: list[WriteItem],
+                     planner: SavePlanner) -> tuple[str, list[WriteResult], dict[str, Any]]:
+        """A file of another store: its bytes gathered once, sent whole by ``put_bytes`` (atomic:
+        a failed upload leaves nothing, s3fs aborts its multipart upload) while this thread hashes them."""
+        views: list[memoryview] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item in items:
+            buffer = self._item_bytes(item, planner)
+            views.append(buffer)
+            results.append(WriteResult(index=item.index, size_in_bytes=len(buffer),
+                                       storage_data=(name, offset, len(buffer))))
+            offset += len(buffer)
+        data = b"".join(views)  # the one copy: botocore sends bytes, not memoryviews
+        del views
+        key = posixpath.join(self.folder, name)
+        # hashlib lets go of the GIL: the hash is made while the bytes go
+        digest, _ = _run_in_threads([lambda: hashlib.sha256(data).hexdigest(), lambda: self.store.put_bytes(key, data)])
+        return name, results, {"sha256": digest, "size": offset}
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
         everything = [r for rank_results in results for r in rank_results]

@@ -17,8 +17,10 @@ Contract (``ShardStream``):
   gets the same count and the last ``samples % world_size`` are left out, for DDP's equal
   steps). Within a rank, samples pass a shuffle buffer of ``shuffle_buffer`` (0: shard order).
 - Shards are fetched ahead in ``read_ahead`` background threads, in the order the epoch
-  needs them, and kept in a local disk cache (``cache_dir``, default ``$RELAY_DATA_CACHE`` or
-  ``~/.cache/torchrelay/shards``; files named by their sha256, checked once when fetched; the
+  needs them (default: about 64 MiB of shards, 2 to 8 of them: small shards are many requests
+  whose latencies only overlap when several are in flight), and kept in a local disk cache
+  (``cache_dir``, default ``$RELAY_DATA_CACHE`` or ``~/.cache/torchrelay/shards``; files named
+  by their sha256, checked once when fetched, before any sample of the shard is used; the
   least recently used go past ``cache_bytes``). A store that is a local or mounted folder is
   read in place, not cached. Shards are read with ``torch.load(weights_only=True, mmap=True)``.
 - It is a ``ResumableStream`` (train.resumable): ``state_dict()`` is the epoch and the samples
@@ -42,12 +44,15 @@ import torch
 
 from torchrelay.errors import StorageError
 from torchrelay.shards.format import INDEX, ShardEntry, ShardIndex, parse_size
-from torchrelay.shards.plan import buffered_order, rank_bounds, rank_spans, shard_order
+from torchrelay.shards.plan import buffered_order, rank_bounds, rank_spans, read_ahead_for, shard_order
 from torchrelay.storage import ArtifactStore
 from torchrelay.train.artifacts import store_options
 from torchrelay.train.data import data_rank_world
 
 DEFAULT_CACHE = os.path.join("~", ".cache", "torchrelay", "shards")
+# a shard is fetched in ranged reads of this size (one GET for shards up to it): read_ahead of them
+# in memory at once at most
+FETCH_BYTES = 64 << 20
 _PLAN_KEYS = ("dataset", "world_size", "rank", "seed", "shuffle_buffer", "shuffle", "even", "batch_size")
 
 
@@ -58,16 +63,19 @@ def stream(url: str, *, batch_size: int, **options: Any) -> "ShardStream":
 
 class ShardStream:
     def __init__(self, url: str, *, batch_size: int, shuffle: bool = True, shuffle_buffer: int = 10_000,
-                 seed: int = 0, even: bool = False, drop_last: bool = False, read_ahead: int = 2,
+                 seed: int = 0, even: bool = False, drop_last: bool = False, read_ahead: int | None = None,
                  cache_dir: str | None = None, cache_bytes: str | int = "20GiB",
                  shares: Sequence[float] | None = None, rank: int | None = None, world_size: int | None = None,
                  storage_options: Mapping[str, Any] | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per rank per step)")
-        if read_ahead < 1:
-            raise ValueError(f"read_ahead={read_ahead!r} must be >= 1 (shards fetched ahead)")
+        if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, int)
+                                       or read_ahead < 1):
+            raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1 (shards fetched ahead), or None")
         self.store = ArtifactStore(url, _options_for(url, storage_options))
         self.index = ShardIndex.parse(self.store.get_bytes(INDEX), self.store.url_of(INDEX))
+        if read_ahead is None:
+            read_ahead = read_ahead_for([entry.bytes for entry in self.index.shards])
         self.rank, self.world_size = data_rank_world(rank, world_size)
         self.batch_size, self.shuffle, self.shuffle_buffer, self.seed = batch_size, shuffle, shuffle_buffer, seed
         self.even, self.drop_last, self.shares = even, drop_last, list(shares) if shares is not None else None
@@ -178,9 +186,17 @@ class _Window:
         self.last_use = dict(zip(unique.tolist(), last.tolist()))
         self.next_fetch = 0
         self.loading: dict[int, Future] = {}
+        # samples in one run of the same shard share a run number: a batch within one run is gathered directly
+        changes = shards[1:] != shards[:-1]
+        self.run = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(changes, 0)]) if len(shards) else shards
 
     def gather(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         self._fetch_through(stop)
+        if self.run[start] == self.run[stop - 1]:  # one shard: rows picked in batch order, nothing to reorder
+            out = {key: column.index_select(0, self.rows[start:stop])
+                   for key, column in self.loading[int(self.shards[start])].result().items()}
+            self._drop_done(stop)
+            return out
         shards, rows = self.shards[start:stop], self.rows[start:stop]
         # one index_select per shard and field, in shard order, then one scatter back to batch order
         order = torch.argsort(shards, stable=True)
@@ -198,9 +214,12 @@ class _Window:
             gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[key] = torch.empty_like(gathered)
             out[key][order] = gathered
+        self._drop_done(stop)
+        return out
+
+    def _drop_done(self, stop: int) -> None:
         for shard in [s for s in self.loading if self.last_use[s] < stop]:
             del self.loading[shard]  # its last sample is out: the mapping goes with the last reference
-        return out
 
     def _fetch_through(self, stop: int) -> None:
         """Start fetching every shard first used before ``stop``, and ``read_ahead`` more."""
@@ -232,11 +251,14 @@ class _DiskCache:
                 return path
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         try:
-            with store.open_read(entry.name) as source, open(tmp, "wb") as out:
-                hasher = hashlib.sha256()  # hashed as it arrives: no second pass over the file
-                for block in iter(lambda: source.read(8 << 20), b""):
-                    hasher.update(block)
-                    out.write(block)
+            with open(tmp, "wb") as out:
+                hasher = hashlib.sha256()
+                for start in range(0, entry.bytes, FETCH_BYTES):  # ranged GETs: no HEAD, no buffered-file copies
+                    piece = store.get_range(entry.name, start, min(start + FETCH_BYTES, entry.bytes))
+                    hasher.update(piece)
+                    out.write(piece)
+                    if not piece:
+                        break  # the store's object is shorter than the index says: the digest tells
             digest = hasher.hexdigest()
             if digest != entry.sha256:
                 raise StorageError(f"shard {store.url_of(entry.name)} has sha256 {digest[:12]}…, its index says "
