@@ -89,6 +89,17 @@ def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def assert_replay_matches(replay, replay_dir: Path, history: list[dict], out: Path) -> None:
+    """Run ``replay`` (the same membership change replayed from the start) to its end: the
+    same membership epochs as ``history``, and member 0's final parameters bit for bit."""
+    replay.start("127.0.0.1", pick_free_port())
+    status = replay.wait(timeout=240)
+    assert status is not None and status.succeeded, status
+    replayed = json.loads((replay_dir / "out" / "history-0.json").read_text())
+    assert [(h["members"], h["start_step"]) for h in replayed] == [(h["members"], h["start_step"]) for h in history]
+    assert_same(params(out / "final-0.pt"), params(replay_dir / "out" / "final-0.pt"))
+
+
 def test_survivors_of_a_killed_rank_go_on_and_match_a_replay(tmp_path, warm_zygote, launches):
     launch = elastic_launch(tmp_path / "killed", warm_zygote, 3)
     launches.append(launch)
@@ -118,12 +129,7 @@ def test_survivors_of_a_killed_rank_go_on_and_match_a_replay(tmp_path, warm_zygo
     # the same membership change replayed from the start: member 2 leaves before step `left_at`
     replay = elastic_launch(tmp_path / "replay", warm_zygote, 3, "--leave-at", str(left_at), "--leaver", "2")
     launches.append(replay)
-    replay.start("127.0.0.1", pick_free_port())
-    status = replay.wait(timeout=240)
-    assert status is not None and status.succeeded, status
-    replayed = json.loads((tmp_path / "replay" / "out" / "history-0.json").read_text())
-    assert [(h["members"], h["start_step"]) for h in replayed] == [(h["members"], h["start_step"]) for h in history]
-    assert_same(params(out / "final-0.pt"), params(tmp_path / "replay" / "out" / "final-0.pt"))
+    assert_replay_matches(replay, tmp_path / "replay", history, out)
 
 
 def test_a_joiner_receives_the_members_state_and_trains_its_share(tmp_path, warm_zygote, launches):

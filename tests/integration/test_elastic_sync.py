@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_elastic import (assert_exact_coverage, assert_same, final_steps, lines, params,
-                                            wait_for_step)
+from tests.integration.test_elastic import (assert_exact_coverage, assert_replay_matches, assert_same, final_steps,
+                                            lines, params, wait_for_step)
 from torchrelay import wire
 from torchrelay.agent.launcher import Launch, pick_free_port
 from torchrelay.agent.zygote import Zygote
@@ -79,12 +79,7 @@ def test_survivors_redo_the_period_and_match_a_replay(tmp_path, warm_zygote, lau
     # replayed from the start: member 2 leaves right after the sync point the survivors went back to
     replay = sync_launch(tmp_path / "replay", warm_zygote, kind, 3, "--leave-at", str(resumed_at), "--leaver", "2")
     launches.append(replay)
-    replay.start("127.0.0.1", pick_free_port())
-    status = replay.wait(timeout=240)
-    assert status is not None and status.succeeded, status
-    replayed = json.loads((tmp_path / "replay" / "out" / "history-0.json").read_text())
-    assert [(h["members"], h["start_step"]) for h in replayed] == [(h["members"], h["start_step"]) for h in history]
-    assert_same(params(out / "final-0.pt"), params(tmp_path / "replay" / "out" / "final-0.pt"))
+    assert_replay_matches(replay, tmp_path / "replay", history, out)
 
 
 def test_a_diloco_joiner_receives_the_sync_point_state(tmp_path, warm_zygote, launches):

@@ -84,13 +84,15 @@ def _setup(rank: int, world: int, port: int, strategy: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RELAY_STRATEGY=json.dumps(strategy))
 
 
-def _train(model, opt, first: int, last: int, rank: int, world: int) -> list[float]:
+def _train(model, opt, first: int, last: int, rank: int, world: int, batch_of=None) -> list[float]:  # noqa: ANN001
+    """Steps ``first..last`` on this rank's share of ``batch_of(step)`` (default: ``batch``); the
+    losses averaged over the ranks."""
     import torch.distributed as dist
 
     losses = []
-    share = BATCH // world
     for step in range(first, last + 1):
-        x, y = batch(step)
+        x, y = (batch_of or batch)(step)
+        share = len(x) // world
         loss = nn.functional.mse_loss(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share])
         loss.backward()
         opt.step()

@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from test_sharded import _train  # the same steps; this folder is on sys.path as a script and under pytest
+
 pytestmark = pytest.mark.timeout(300)
 
 WIDTH, LAYERS, BATCH, LR = 1024, 4, 8, 1e-3
@@ -35,20 +37,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
 
 
-def train(model, opt, first: int, last: int, rank: int, world: int) -> list[float]:
-    import torch.distributed as dist
-
-    losses, share = [], BATCH // world
-    for step in range(first, last + 1):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+def train(model, opt, first: int, last: int, rank: int, world: int) -> list[float]:  # noqa: ANN001
+    return _train(model, opt, first, last, rank, world, batch)
 
 
 def _kib(field: str) -> int:
