@@ -169,7 +169,8 @@ def main(argv=None) -> None:
 
             def lift_at_step(point) -> None:
                 if lift["at"] is None and point.step >= args.lift_steps // 3:
-                    (slow_dir / "cpu.cfs_quota_us").write_text("100000")
+                    period = int((slow_dir / "cpu.cfs_period_us").read_text())
+                    (slow_dir / "cpu.cfs_quota_us").write_text(str(period))  # 1 cpu
                     lift["at"] = time.time()
 
             rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,

@@ -1,18 +1,22 @@
 """Sharded data parallel: memory per rank and step time of ``fsdp`` against ``ddp`` and against FSDP2 by hand.
 
 One launch per world size (2, then 4 gloo ranks on this host, one thread each) builds the same
-model three times, from the same seed, and prepares it three ways:
+model four times, from the same seed, and prepares it four ways:
 
 - ``ddp``: ``torchrelay.train.sync.prepare`` under ``{kind: ddp}`` (what ``rt.prepare`` runs);
 - ``fsdp``: ``torchrelay.train.sharded.prepare`` under ``{kind: fsdp}`` (what ``rt.prepare`` runs);
 - ``hand``: the model wrapped as PyTorch's FSDP2 tutorial does it — ``fully_shard`` on each
-  block, then on the model, and ``torch.optim.Adam(model.parameters())`` — no torchrelay.
+  block, then on the model, and ``torch.optim.Adam(model.parameters())`` — no torchrelay;
+- ``keep``: ``{kind: fsdp, reshard_after_forward: false}``: each unit stays gathered from its
+  forward to its backward (one all-gather per unit a step instead of two). Step time only: it
+  holds every unit whole at the end of forward, which the memory meter's one-unit allowance
+  does not count.
 
 The model: ``--layers`` blocks of Linear(d, d) + GELU (d = ``--width``), Adam, ``--batch`` rows
 per rank. Memory per rank is parameters + gradients + optimizer state as ``train.memory_meter``
 reads them after a step (this rank's shards, plus the largest unit gathered whole under
 fsdp; DDP's gradient buckets are not counted, which favours ddp). Step time: forward,
-backward and optimizer step, the three ways in turn for ``--rounds`` rounds of ``--steps``
+backward and optimizer step, the four ways in turn for ``--rounds`` rounds of ``--steps``
 steps, median per way on rank 0. Where ours and the tutorial differ: ours keeps the last
 block gathered after forward (backward needs it at once; torchtitan does the same), the
 tutorial reshards it and gathers it again.
@@ -22,7 +26,8 @@ tutorial reshards it and gathers it again.
 Prints the rows, then ``RESULT {"fsdp2_memory_vs_ddp", "fsdp4_memory_vs_ddp", "fsdp_step_vs_ddp",
 "fsdp_vs_hand_written", ...}``: memory and step ratios are ours over ddp's (lower is better;
 goals ≤ 0.6, ≤ 0.35 and ≤ 1.3); ``fsdp_vs_hand_written`` is the hand-written step time over
-ours (our speed relative to it; goal ≥ 0.97). The step ratios are from the 2-rank launch.
+ours (our speed relative to it; goal ≥ 0.97); ``keep_step_vs_ddp`` is ``keep``'s step over
+ddp's. The step ratios are from the 2-rank launch.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 from _ranks import free_port, run_owned  # noqa: E402
 
-WAYS = ("ddp", "fsdp", "hand")
+WAYS = ("ddp", "fsdp", "hand", "keep")
 
 
 def build(args: argparse.Namespace):
@@ -63,8 +68,9 @@ def prepared(way: str, args: argparse.Namespace, ctx):
     if way == "ddp":
         model, optimizer = sync.prepare(model, optimizer, DDPStrategy(), ctx)
         return model, optimizer, optimizer.meter
-    if way == "fsdp":
-        model, optimizer = sharded.prepare(model, optimizer, FSDPStrategy(kind="fsdp"), ctx)
+    if way in ("fsdp", "keep"):
+        strategy = FSDPStrategy(kind="fsdp", reshard_after_forward=way == "fsdp")
+        model, optimizer = sharded.prepare(model, optimizer, strategy, ctx)
         return model, optimizer, optimizer.meter
     from torch.distributed.fsdp import fully_shard  # the tutorial's way
 
@@ -142,15 +148,19 @@ def main(argv: list[str] | None = None) -> None:
         peak = {way: max(r["memory"][way] for r in ranks) for way in WAYS}
         median = {way: statistics.median(ranks[0]["times"][way]) for way in WAYS}
         for way in WAYS:
-            print(f"{world} ranks  {way:<5} training state per rank {peak[way] / 2**20:8.2f} MiB "
-                  f"({peak[way] / peak['ddp']:.3f} of ddp)   step {median[way] * 1e3:8.2f} ms", flush=True)
+            memory = (f"training state per rank {peak[way] / 2**20:8.2f} MiB ({peak[way] / peak['ddp']:.3f} of ddp)"
+                      if way != "keep" else f"{'(every unit gathered after forward)':<51}")
+            print(f"{world} ranks  {way:<5} {memory}   step {median[way] * 1e3:8.2f} ms "
+                  f"({median[way] / median['ddp']:.3f} of ddp)", flush=True)
         result[f"fsdp{world}_memory_vs_ddp"] = round(peak["fsdp"] / peak["ddp"], 4)
         result[f"fsdp{world}_step_ms"] = round(median["fsdp"] * 1e3, 3)
         result[f"ddp{world}_step_ms"] = round(median["ddp"] * 1e3, 3)
         result[f"hand{world}_step_ms"] = round(median["hand"] * 1e3, 3)
+        result[f"keep{world}_step_ms"] = round(median["keep"] * 1e3, 3)
         if world == 2:
             result["fsdp_step_vs_ddp"] = round(median["fsdp"] / median["ddp"], 4)
             result["fsdp_vs_hand_written"] = round(median["hand"] / median["fsdp"], 4)
+            result["keep_step_vs_ddp"] = round(median["keep"] / median["ddp"], 4)
     print(f"ratios: fsdp memory vs ddp {result['fsdp2_memory_vs_ddp']} (2 ranks), {result['fsdp4_memory_vs_ddp']} "
           f"(4 ranks); fsdp step vs ddp {result['fsdp_step_vs_ddp']}; hand-written vs ours "
           f"{result['fsdp_vs_hand_written']}")
