@@ -1,8 +1,11 @@
 """Heterogeneous data parallel: two workers of different speed, plain DDP against balanced.
 
 An embedded cluster of two agents on this machine, one offering ``--cpus 1`` and one
-``--cpus 0.5`` (enforced by the agents' cgroups: docs/agent.md; run as root), trains the
-digits CNN (examples/digits) with the same global batch and seed in every run:
+``--cpus 0.5`` (enforced by the agents' cgroups: docs/agent.md; run as root), trains one model
+with the same global batch and seed in every run. ``--model charlm`` (the default): the char
+LM of examples/charlm (2 blocks, d_model 64, windows of 64 characters of Python's own sources),
+global batch 64 windows, target loss 2.5; ``--model digits``: the digits CNN of
+examples/digits, global batch 128, target loss 0.35 (the rows before 2026-12-05). The runs:
 
 - solo: one worker on each agent alone, with half the global batch: each worker's throughput
   (its time to loss is not comparable: it trains on half the batch);
@@ -10,13 +13,19 @@ digits CNN (examples/digits) with the same global batch and seed in every run:
   the pace);
 - balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
 - lifted: balanced again, and mid-run the slow agent's CPU quota is raised to 1 cpu (its
-  cgroup, written here): how many steps until its shares settle.
+  cgroup, written here): how many steps until its shares settle. The shares and measured
+  speeds at each re-measurement are printed.
 
 Throughput is samples/s of the global batch over the steps after a warm-up; time to loss is
 wall time from the first step until the loss (an exponential average) falls below
 ``--target-loss``. No sleep anywhere in the training code: the speed difference is the cgroup's.
 
-    sudo .venv/bin/python bench/hetero.py [--steps 300] [--batch 128]
+Why two models: every step of data parallel pays one gradient all-reduce, a few ms on this
+machine's gloo (``bench/step_allreduce.py``). The digits CNN's step is 13 ms, so that fixed cost
+is a third of it and bounds what any split can reach; the char LM's step (about 100 ms for 32
+windows) is mostly compute, as a training step usually is.
+
+    sudo .venv/bin/python bench/hetero.py [--model charlm|digits] [--steps 300] [--batch B]
 
 Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
 balanced / plain, "time_to_loss_ratio": balanced / plain, "resettle_steps": steps from the lift
@@ -39,20 +48,39 @@ from _env import header_line, package_versions, result_line  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 EVERY = 20  # balance_every (K)
 
+# What each model's run sets up before the loop: ``train_set`` (a map-style dataset of (x, y)),
+# ``model``, ``loss_of(model output, y)`` and the optimizer's learning rate
+SETUP = {
+    "digits": '''
+from model import DigitsCNN, load_split
+train_set, _ = load_split(0)
+model, loss_of, lr = DigitsCNN(), F.cross_entropy, 2e-3
+''',
+    "charlm": '''
+from torch.utils.data import TensorDataset
+from data import CharCorpus, stdlib_text, text_windows
+from model import CharLM, CharLMConfig, lm_loss
+corpus = CharCorpus.from_text(stdlib_text())
+windows, _ = text_windows(corpus.train, 64)
+train_set = TensorDataset(windows[:, :-1], windows[:, 1:])
+model, loss_of, lr = CharLM(CharLMConfig(vocab_size=corpus.vocab_size, context=64)), lm_loss, 3e-3
+''',
+}
+MODEL_FILES = {"digits": ("digits/model.py",), "charlm": ("charlm/model.py", "charlm/data.py")}
+DEFAULTS = {"digits": {"batch": 128, "target_loss": 0.35}, "charlm": {"batch": 64, "target_loss": 2.5}}
+
 TRAIN = '''
 import argparse, json, time
 import torch, torch.nn.functional as F
 import torchrelay.train as rt
-from model import DigitsCNN, load_split
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int); p.add_argument("--batch", type=int); p.add_argument("--target-loss", type=float)
 args = p.parse_args()
 ctx = rt.init()
 torch.manual_seed(0)
-train_set, _ = load_split(0)
-model = DigitsCNN()
-model, optimizer = rt.prepare(model, torch.optim.Adam(model.parameters(), lr=2e-3))
+{setup}
+model, optimizer = rt.prepare(model, torch.optim.Adam(model.parameters(), lr=lr))
 loader = rt.shard(train_set, batch_size=args.batch // ctx.world_size, seed=0)
 step, epoch, warm, ema, reached = 0, 0, 10, None, None
 start = t_warm = time.perf_counter()
@@ -60,7 +88,7 @@ while step < args.steps:
     loader.sampler.set_epoch(epoch)
     for x, y in loader:
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_of(model(x), y)
         loss.backward()
         optimizer.step()
         step += 1
@@ -85,9 +113,14 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="steps of each run")
     parser.add_argument("--lift-steps", type=int, default=400, help="steps of the run whose slow worker is lifted")
-    parser.add_argument("--batch", type=int, default=128, help="the global batch")
-    parser.add_argument("--target-loss", type=float, default=0.35)
-    return parser.parse_args(argv)
+    parser.add_argument("--model", choices=sorted(SETUP), default="charlm")
+    parser.add_argument("--batch", type=int, default=None, help="the global batch (charlm: 64 windows; digits: 128)")
+    parser.add_argument("--target-loss", type=float, default=None, help="charlm: 2.5; digits: 0.35")
+    args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def agent_cpu_dir(pid: int) -> Path:
@@ -134,6 +167,20 @@ def settle_steps(points: list, lifted_at: float) -> tuple[int | None, list]:
     return (changes[-1] - after[0].step if changes else 0), changes
 
 
+def remeasures(points: list) -> list[tuple[int, tuple, tuple]]:
+    """(step, shares, measured samples/s), by rank, at each re-measurement where either changed."""
+    by_step: dict[int, dict[int, tuple[float, float]]] = {}
+    for p in points:
+        if "measured_samples_per_s" in p.values and "share" in p.values:
+            by_step.setdefault(p.step, {})[p.rank] = (p.values["share"], p.values["measured_samples_per_s"])
+    rows = []
+    for step in sorted(by_step):
+        ranks = by_step[step]
+        if len(ranks) == 2:
+            rows.append((step, tuple(int(ranks[r][0]) for r in (0, 1)), tuple(round(ranks[r][1]) for r in (0, 1))))
+    return [row for i, row in enumerate(rows) if i == 0 or row[1:] != rows[i - 1][1:]]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from torchrelay.client.cluster import AgentOptions, start_cluster, stop_cluster
@@ -141,13 +188,14 @@ def main(argv=None) -> None:
 
     versions = package_versions(("torch",))
     print(header_line(versions))
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; global batch {args.batch}; "
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.model}, global batch {args.batch}; "
           f"K={EVERY}; agents --cpus 1 and --cpus 0.5")
     home = Path(tempfile.mkdtemp(prefix="relay-hetero-"))
     code = home / "code"
     code.mkdir()
-    shutil.copy(REPO / "examples" / "digits" / "model.py", code / "model.py")
-    (code / "train.py").write_text(TRAIN)
+    for name in MODEL_FILES[args.model]:
+        shutil.copy(REPO / "examples" / name, code / Path(name).name)
+    (code / "train.py").write_text(TRAIN.replace("{setup}", SETUP[args.model]))
     cluster = start_cluster(2, home=home / "relay", agent_options=[
         AgentOptions(cpus=1, labels={"speed": "fast"}), AgentOptions(cpus=0.5, labels={"speed": "slow"})])
     try:
@@ -165,13 +213,13 @@ def main(argv=None) -> None:
             rows["balanced ddp"], points = run_job(client, code, args, strategy=balanced, workers=2, label=None,
                                                    steps=args.steps)
             shares = sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
-            lift = {"at": None}
+            lift = {"at": None, "step": None}
 
             def lift_at_step(point) -> None:
                 if lift["at"] is None and point.step >= args.lift_steps // 3:
                     period = int((slow_dir / "cpu.cfs_period_us").read_text())
                     (slow_dir / "cpu.cfs_quota_us").write_text(str(period))  # 1 cpu
-                    lift["at"] = time.time()
+                    lift["at"], lift["step"] = time.time(), point.step
 
             rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,
                                                               label=None, steps=args.lift_steps, on_point=lift_at_step)
@@ -193,6 +241,10 @@ def main(argv=None) -> None:
     print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
     print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
     print(f"rank 0's shares in the balanced run after step 40: {shares}")
+    print(f"lifted run, at each re-measurement (step: shares of ranks 0, 1 / their measured samples/s); "
+          f"the slow worker was lifted to 1 cpu when step {lift['step']} was seen:")
+    print("  " + "; ".join(f"{step}: {shares[0]}+{shares[1]} / {speeds[0]}, {speeds[1]}"
+                           for step, shares, speeds in remeasures(lifted_points)))
     print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; settled {resettle} steps after "
           f"(goal <= 2K = {2 * EVERY})")
     print(f"load average {os.getloadavg()[0]:.1f}")

@@ -13,7 +13,11 @@ model four times, from the same seed, and prepares it four ways:
   does not count.
 
 The model: ``--layers`` blocks of Linear(d, d) + GELU (d = ``--width``), Adam, ``--batch`` rows
-per rank. Memory per rank is parameters + gradients + optimizer state as ``train.memory_meter``
+per rank; or, with ``--model charlm``, the char LM of examples/charlm with ``--layers`` blocks
+of d_model ``--width`` (4 heads), ``--batch`` windows of 64 random characters per rank (its
+units: the embedding, each block, the head). The linear stack does little compute per byte of
+parameters, the char LM a transformer's share: the step ratio is about how much compute a
+step has to hide FSDP's extra collectives behind. Memory per rank is parameters + gradients + optimizer state as ``train.memory_meter``
 reads them after a step (this rank's shards, plus the largest unit gathered whole under
 fsdp; DDP's gradient buckets are not counted, which favours ddp). Step time: forward,
 backward and optimizer step, the four ways in turn for ``--rounds`` rounds of ``--steps``
@@ -22,6 +26,7 @@ block gathered after forward (backward needs it at once; torchtitan does the sam
 tutorial reshards it and gathers it again.
 
     .venv/bin/python bench/sharded.py [--layers 16] [--width 512] [--rounds 5] [--steps 10]
+    .venv/bin/python bench/sharded.py --model charlm --layers 4 --width 256 --batch 8
 
 Prints the rows, then ``RESULT {"fsdp2_memory_vs_ddp", "fsdp4_memory_vs_ddp", "fsdp_step_vs_ddp",
 "fsdp_vs_hand_written", ...}``: memory and step ratios are ours over ddp's (lower is better;
@@ -48,12 +53,40 @@ from _ranks import free_port, run_owned  # noqa: E402
 WAYS = ("ddp", "fsdp", "hand", "keep")
 
 
+CONTEXT, VOCAB = 64, 96  # the char LM's window and a vocabulary the size of its example's
+
+
+def charlm_module():
+    """examples/charlm/model.py (CharLM, CharLMConfig, lm_loss)."""
+    import importlib
+
+    if str(ROOT / "examples" / "charlm") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples" / "charlm"))
+    return importlib.import_module("model")
+
+
 def build(args: argparse.Namespace):
     import torch
     from torch import nn
 
     torch.manual_seed(0)
+    if args.model == "charlm":
+        charlm = charlm_module()
+        return charlm.CharLM(charlm.CharLMConfig(vocab_size=VOCAB, context=CONTEXT, d_model=args.width, n_heads=4,
+                                   n_layers=args.layers))
     return nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)])
+
+
+def batch_and_loss(args: argparse.Namespace, rank: int):
+    """(this rank's fixed batch, loss of (model, batch)) for ``--model``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(rank)
+    if args.model == "charlm":
+        lm_loss = charlm_module().lm_loss
+        ids = torch.randint(VOCAB, (args.batch, CONTEXT + 1), generator=generator)
+        return ids, lambda model, rows: lm_loss(model(rows[:, :-1]), rows[:, 1:])
+    return torch.randn(args.batch, args.width, generator=generator), lambda model, rows: model(rows).square().mean()
 
 
 def prepared(way: str, args: argparse.Namespace, ctx):
@@ -82,14 +115,14 @@ def prepared(way: str, args: argparse.Namespace, ctx):
     return model, optimizer, MemoryMeter(model, optimizer, gathered_bytes=gathered)
 
 
-def timed_steps(model, optimizer, batch, steps: int) -> list[float]:
+def timed_steps(model, optimizer, batch, loss_of, steps: int) -> list[float]:
     import torch.distributed as dist
 
     times = []
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        model(batch).square().mean().backward()
+        loss_of(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
@@ -105,12 +138,12 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
 
     torch.set_num_threads(1)
     ctx = rt.init()
-    batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    batch, loss_of = batch_and_loss(args, rank)
     runs = {way: prepared(way, args, ctx) for way in WAYS}
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(args.rounds):
         for way, (model, optimizer, _meter) in runs.items():
-            times[way].extend(timed_steps(model, optimizer, batch, args.steps)[1:])  # the first waits for the others
+            times[way].extend(timed_steps(model, optimizer, batch, loss_of, args.steps)[1:])  # the first waits for the others
     memory = {way: meter.figures().training_state for way, (_m, _o, meter) in runs.items()}
     Path(out, f"rank-{rank}.json").write_text(json.dumps({"times": times, "memory": memory}))
     rt.shutdown()
@@ -118,7 +151,7 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
 
 def launch(world: int, args: argparse.Namespace) -> list[dict]:
     port = free_port()
-    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k in ("layers", "width", "batch", "rounds", "steps")]
+    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k in ("model", "layers", "width", "batch", "rounds", "steps")]
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         run_owned([[sys.executable, __file__, "--worker", f"{r},{world},{port},{out}", *forwarded]
@@ -128,9 +161,10 @@ def launch(world: int, args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", choices=("linear", "charlm"), default="linear")
+    parser.add_argument("--layers", type=int, default=16, help="blocks")
+    parser.add_argument("--width", type=int, default=512, help="the linear layers' width; charlm: d_model")
+    parser.add_argument("--batch", type=int, default=32, help="rows per rank; charlm: windows of 64 characters")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -140,8 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         return worker(int(rank), int(world), int(port), out, args)
     versions = package_versions(TRAINING_PACKAGES)
     print(header_line(versions))
-    print(f"model: {args.layers} × Linear({args.width}, {args.width}) + GELU, Adam, {args.batch} rows per rank; "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    model = (f"{args.layers} × Linear({args.width}, {args.width}) + GELU, Adam, {args.batch} rows per rank"
+             if args.model == "linear" else f"char LM, {args.layers} blocks of d_model {args.width}, Adam, "
+             f"{args.batch} windows of {CONTEXT} characters per rank")
+    print(f"model: {model}; load average {os.getloadavg()[0]:.1f}", flush=True)
     result: dict = {}
     for world in (2, 4):
         ranks = launch(world, args)
