@@ -7,8 +7,12 @@ LM of examples/charlm (2 blocks, d_model 64, windows of 64 characters of Python'
 global batch 64 windows, target loss 2.5; ``--model digits``: the digits CNN of
 examples/digits, global batch 128, target loss 0.35 (the rows before 2026-12-05). The runs:
 
-- solo: one worker on each agent alone, with half the global batch: each worker's throughput
-  (its time to loss is not comparable: it trains on half the batch);
+- solo: one worker on each agent on its own, with half the global batch: each worker's
+  throughput (its time to loss is not comparable: it trains on half the batch). The two solo
+  jobs run at the same time (``--solos together``, the default), so each meets the same
+  contention for this machine's 2 cores as it does beside the other in the pair; ``--solos
+  apart`` runs them one after the other, each with the machine to itself (the rows before
+  2026-12-05);
 - plain: ``strategy: {kind: ddp}`` on the pair (every rank half the batch: the slow one sets
   the pace);
 - balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
@@ -114,6 +118,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=300, help="steps of each run")
     parser.add_argument("--lift-steps", type=int, default=400, help="steps of the run whose slow worker is lifted")
     parser.add_argument("--model", choices=sorted(SETUP), default="charlm")
+    parser.add_argument("--solos", choices=("together", "apart"), default="together",
+                        help="run the two solo jobs at once (the pair's contention) or one after the other")
     parser.add_argument("--batch", type=int, default=None, help="the global batch (charlm: 64 windows; digits: 128)")
     parser.add_argument("--target-loss", type=float, default=None, help="charlm: 2.5; digits: 0.35")
     args = parser.parse_args(argv)
@@ -157,6 +163,24 @@ def run_job(client, code: Path, args, *, strategy: dict, workers: int, label: st
     return json.loads(line.split(" ", 1)[1]), points
 
 
+def run_solos(address: str, code: Path, args) -> dict[str, dict]:
+    """The solo job on each agent (``--solos``: both at once, a client each, or in turn); their BENCH rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchrelay.client.sdk import RelayClient
+
+    def solo(label: str) -> dict:
+        with RelayClient(address) as client:
+            return run_job(client, code, args, strategy={"kind": "ddp"}, workers=1, label=label, steps=args.steps)[0]
+
+    labels = ("fast", "slow")
+    if args.solos == "apart":
+        return {f"solo {label}": solo(label) for label in labels}
+    with ThreadPoolExecutor(len(labels)) as pool:
+        runs = {label: pool.submit(solo, label) for label in labels}
+        return {f"solo {label}": run.result() for label, run in runs.items()}
+
+
 def settle_steps(points: list, lifted_at: float) -> tuple[int | None, list]:
     """Steps from the first step after the lift to rank 0's last change of share after it."""
     mine = sorted((p for p in points if p.rank == 0 and "share" in p.values), key=lambda p: p.step)
@@ -189,7 +213,7 @@ def main(argv=None) -> None:
     versions = package_versions(("torch",))
     print(header_line(versions))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.model}, global batch {args.batch}; "
-          f"K={EVERY}; agents --cpus 1 and --cpus 0.5")
+          f"K={EVERY}; agents --cpus 1 and --cpus 0.5; solos {args.solos}")
     home = Path(tempfile.mkdtemp(prefix="relay-hetero-"))
     code = home / "code"
     code.mkdir()
@@ -202,11 +226,8 @@ def main(argv=None) -> None:
         slow_dir = agent_cpu_dir(cluster.pids[2])
         quota = int((slow_dir / "cpu.cfs_quota_us").read_text()) / int((slow_dir / "cpu.cfs_period_us").read_text())
         assert quota == 0.5, f"no 0.5 cpu quota in {slow_dir} ({quota} cpu)"
-        rows = {}
+        rows = run_solos(cluster.address, code, args)
         with RelayClient(cluster.address) as client:
-            for label in ("fast", "slow"):
-                rows[f"solo {label}"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=1,
-                                                   label=label, steps=args.steps)
             rows["plain ddp"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=2, label=None,
                                            steps=args.steps)
             balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
