@@ -5,14 +5,14 @@ An embedded cluster of two agents on this machine, one offering ``--cpus 1`` and
 with the same global batch and seed in every run. ``--model charlm`` (the default): the char
 LM of examples/charlm (2 blocks, d_model 64, windows of 64 characters of Python's own sources),
 global batch 64 windows, target loss 2.5; ``--model digits``: the digits CNN of
-examples/digits, global batch 128, target loss 0.35 (the rows before 2026-12-05). The runs:
+examples/digits, global batch 128, target loss 0.35 (the digits rows in docs/benchmarks.md). The runs:
 
 - solo: one worker on each agent on its own, with half the global batch: each worker's
   throughput (its time to loss is not comparable: it trains on half the batch). The two solo
   jobs run at the same time (``--solos together``, the default), so each meets the same
   contention for this machine's 2 cores as it does beside the other in the pair; ``--solos
-  apart`` runs them one after the other, each with the machine to itself (the rows before
-  2026-12-05);
+  apart`` runs them one after the other, each with the machine to itself (how the digits rows
+  in docs/benchmarks.md ran);
 - plain: ``strategy: {kind: ddp}`` on the pair (every rank half the batch: the slow one sets
   the pace);
 - balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
