@@ -264,8 +264,8 @@ def main(argv=None) -> None:
     print(f"rank 0's shares in the balanced run after step 40: {shares}")
     print(f"lifted run, at each re-measurement (step: shares of ranks 0, 1 / their measured samples/s); "
           f"the slow worker was lifted to 1 cpu when step {lift['step']} was seen:")
-    print("  " + "; ".join(f"{step}: {shares[0]}+{shares[1]} / {speeds[0]}, {speeds[1]}"
-                           for step, shares, speeds in remeasures(lifted_points)))
+    print("  " + "; ".join(f"{step}: {split[0]}+{split[1]} / {speeds[0]}, {speeds[1]}"
+                           for step, split, speeds in remeasures(lifted_points)))
     print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; settled {resettle} steps after "
           f"(goal <= 2K = {2 * EVERY})")
     print(f"load average {os.getloadavg()[0]:.1f}")

@@ -17,9 +17,10 @@ per rank; or, with ``--model charlm``, the char LM of examples/charlm with ``--l
 of d_model ``--width`` (4 heads), ``--batch`` windows of 64 random characters per rank (its
 units: the embedding, each block, the head). The linear stack does little compute per byte of
 parameters, the char LM a transformer's share: the step ratio is about how much compute a
-step has to hide FSDP's extra collectives behind. Memory per rank is parameters + gradients + optimizer state as ``train.memory_meter``
-reads them after a step (this rank's shards, plus the largest unit gathered whole under
-fsdp; DDP's gradient buckets are not counted, which favours ddp). Step time: forward,
+step has to hide FSDP's extra collectives behind. Memory per rank is parameters + gradients
++ optimizer state as ``train.memory_meter`` reads them after a step (this rank's shards, plus
+the largest unit gathered whole under fsdp; DDP's gradient buckets are not counted, which
+favours ddp). Step time: forward,
 backward and optimizer step, the four ways in turn for ``--rounds`` rounds of ``--steps``
 steps, median per way on rank 0. Where ours and the tutorial differ: ours keeps the last
 block gathered after forward (backward needs it at once; torchtitan does the same), the
@@ -72,8 +73,9 @@ def build(args: argparse.Namespace):
     torch.manual_seed(0)
     if args.model == "charlm":
         charlm = charlm_module()
-        return charlm.CharLM(charlm.CharLMConfig(vocab_size=VOCAB, context=CONTEXT, d_model=args.width, n_heads=4,
-                                   n_layers=args.layers))
+        config = charlm.CharLMConfig(vocab_size=VOCAB, context=CONTEXT, d_model=args.width, n_heads=4,
+                                     n_layers=args.layers)
+        return charlm.CharLM(config)
     return nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)])
 
 
@@ -143,7 +145,8 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(args.rounds):
         for way, (model, optimizer, _meter) in runs.items():
-            times[way].extend(timed_steps(model, optimizer, batch, loss_of, args.steps)[1:])  # the first waits for the others
+            # the first step waits for the others
+            times[way].extend(timed_steps(model, optimizer, batch, loss_of, args.steps)[1:])
     memory = {way: meter.figures().training_state for way, (_m, _o, meter) in runs.items()}
     Path(out, f"rank-{rank}.json").write_text(json.dumps({"times": times, "memory": memory}))
     rt.shutdown()
@@ -151,7 +154,8 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
 
 def launch(world: int, args: argparse.Namespace) -> list[dict]:
     port = free_port()
-    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k in ("model", "layers", "width", "batch", "rounds", "steps")]
+    forwarded = [f"--{k}={v}" for k, v in vars(args).items()
+                 if k in ("model", "layers", "width", "batch", "rounds", "steps")]
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         run_owned([[sys.executable, __file__, "--worker", f"{r},{world},{port},{out}", *forwarded]

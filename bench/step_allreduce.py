@@ -1,10 +1,10 @@
-"""What a data-parallel step's gradient all-reduce costs here: the digits CNN's step, alone and as a pair.
+"""What a data-parallel step's gradient all-reduce costs here: one model's step, alone and as a pair.
 
 No platform, no cgroups: plain processes on this host, one thread each, the digits CNN
 (examples/digits, 71,754 parameters = 287 KB of gradients) or with ``--model charlm`` the char
 LM (examples/charlm, its defaults: 2 blocks, d_model 64; ``--batch`` windows of 64 characters),
-Adam, ``--batch`` rows per rank drawn from its training set. The same loop runs five ways, ``--steps`` steps each (the first
-20 not timed), and the mean step time is printed side by side:
+Adam, ``--batch`` rows per rank drawn from its training set. The same loop runs five ways,
+``--steps`` steps each (the first 20 not timed), and the mean step time is printed side by side:
 
 - ``solo``: one process, no process group;
 - ``two solos``: two such processes at once (what two cores give without talking);
