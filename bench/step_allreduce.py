@@ -46,7 +46,6 @@ CONTEXT = 64  # the char LM's window (its example's default)
 def worker(way: str, rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     features, labels, model, loss_of = load_model(args.model)
