@@ -6,6 +6,7 @@ import random
 import pytest
 
 from torchrelay.train import shares as S
+from torchrelay.train.speed_bands import SpeedBands
 
 
 @pytest.mark.parametrize("weights, total, minimum, expected", [
@@ -70,6 +71,15 @@ def test_proportional_shares_property():
 ])
 def test_decide_resplit_table(shares, speeds, pending, expected):
     assert S.decide_resplit(shares, speeds, 0.1, pending) == expected
+
+
+@pytest.mark.parametrize("shares, speeds, expected", [
+    ((32, 32), (100.0, 75.0), S.Resplit(shares=(37, 27))),    # a 10-20 % gain, and a rank really changed
+    ((32, 32), (100.0, 95.0), S.Resplit()),                   # a change that gains < 10 % moves nothing
+    ((43, 21), (100.0, 50.0), S.Resplit()),                   # nor one the shares already follow
+])
+def test_decide_resplit_when_a_rank_changed_speed(shares, speeds, expected):
+    assert S.decide_resplit(shares, speeds, 0.1, None, changed=True) == expected
 
 
 def test_decide_resplit_refuses_a_speed_per_rank_missing():
@@ -151,11 +161,13 @@ def test_uneven_shares_give_uneven_shard_lengths():
 
 
 def simulate(true_speed, *, steps, every, threshold, calibration=3, global_batch=64, noise=0.05, seed=0):
-    """The controller as the worker runs it, with measured speeds = true speeds +- noise,
-    averaged over each window. Returns the shares after each step and the steps that re-split."""
+    """The controller as the worker runs it (``Balancer.after_step``), with measured speeds =
+    true speeds +- noise, averaged over each window. Returns the shares after each step and the
+    steps that re-split."""
     rng = random.Random(seed)
     world = len(true_speed(0))
     shares = S.proportional_shares([1] * world, global_batch)
+    bands = SpeedBands(floor=threshold)
     window = [[] for _ in range(world)]
     history, resplits, pending = [], [], None
     for step in range(1, steps + 1):
@@ -164,10 +176,11 @@ def simulate(true_speed, *, steps, every, threshold, calibration=3, global_batch
         if S.remeasure_due(step, every, calibration):
             measured = [sum(w) / len(w) for w in window]
             window = [[] for _ in range(world)]
-            outcome = S.decide_resplit(shares, measured, threshold, pending)
+            outcome = S.decide_resplit(shares, measured, threshold, pending, bands.observe(measured))
             pending = outcome.pending
             if outcome.shares is not None:
                 shares = outcome.shares
+                bands.reset()
                 resplits.append(step)
         history.append(shares)
     return history, resplits
@@ -199,3 +212,19 @@ def test_a_drift_that_persists_moves_the_shares_one_window_of_noise_does_not(see
     history, resplits = simulate(speed, steps=600, every=10, threshold=0.1, noise=0.02, seed=seed)
     assert [s for s in resplits if s <= 300] == [3]
     assert len([s for s in resplits if s > 300]) == 1 and history[-1] == S.proportional_shares([100, 37.5], 64)
+
+
+@pytest.mark.parametrize("change", [203, 210, 213])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_that_gains_under_2_thresholds_resplits_within_2k(change, seed):
+    # rank 1 goes from half to three quarters of rank 0's speed: the best split gains 14 %, under
+    # 2 x threshold. Starting at a window's start or in its first half, that window is out of rank
+    # 1's band, so the first whole window after it confirms the change (before speed bands: a
+    # third window did). A change in a window's last few steps moves its mean less than the band:
+    # then two whole windows confirm it, up to 2K steps after that window's end.
+    every = 20
+    history, resplits = simulate(lambda s: (100.0, 50.0) if s <= change else (100.0, 75.0), steps=500,
+                                 every=every, threshold=0.1, noise=0.05, seed=seed)
+    after = [s for s in resplits if s > change]
+    assert len(after) == 1 and after[0] <= change + 2 * every, (change, resplits)
+    assert history[-1] == S.proportional_shares([100.0, 75.0], 64)

@@ -15,10 +15,12 @@ Contract:
   (``mine / total``) and its parameters (its samples since the last parameter sync over
   everyone's) carry, and ``after_step(step, compute_s)``: after the calibration steps and every
   ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
-  (``shares.decide_resplit``: its thresholds are the hysteresis) and broadcasts the shares, which
-  the next batch uses. Collective at those steps (every rank calls ``after_step`` at every step:
-  the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the
-  re-split count (``TrainState`` saves them, so a resumed job continues with the same split).
+  (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
+  a rank's speed left its own spread for good) and broadcasts the shares, which the next batch
+  uses. Collective at those steps (every rank calls ``after_step`` at every step: the prepared
+  optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
+  (``TrainState`` saves them, so a resumed job continues with the same split; the speed
+  windows are not saved: a resumed job may run on other nodes).
 - ``BalancedLoader`` (``train.shard`` under ``balance: throughput``): the batches of this rank,
   ``shares.step_split`` of an epoch's order (a permutation from ``seed + epoch``, as
   ``DistributedSampler`` draws it), read at each step so that a re-split applies to the next
@@ -40,6 +42,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from torchrelay.train import shares as S
 from torchrelay.train.session import current_session
+from torchrelay.train.speed_bands import SpeedBands
 
 CALIBRATION_STEPS = 3
 
@@ -118,11 +121,13 @@ class Balancer:
         self._window = [0, 0.0]  # this rank's samples and compute seconds since the last measurement
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
+        self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
 
     def set_global_batch(self, global_batch: int) -> None:
         """The global batch ``B``; an even split unless shares for this ``B`` are known."""
         if self.shares is None or sum(self.shares) != global_batch:
             self.shares = S.proportional_shares([1.0] * self.world, global_batch)
+            self._bands.reset()
         self.global_batch = global_batch
 
     @property
@@ -162,8 +167,11 @@ class Balancer:
         self.speeds = tuple(float(x) for x in speeds)
         new = None
         if self.rank == 0:
-            outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending)
+            speed_changed = self._bands.observe(self.speeds)
+            outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed)
             new, self._pending = outcome.shares, outcome.pending
+            if new is not None and new != self.shares:
+                self._bands.reset()
         decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)
         if self.world > 1:
             dist.broadcast(decided, src=0)

@@ -5,12 +5,14 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   that sum to ``total``, each at least ``minimum`` (largest remainders; ties to the lower rank).
 - ``step_time(shares, speeds)``: the predicted time of a step, the slowest rank's
   ``share / speed``.
-- ``decide_resplit(shares, speeds, threshold, pending)``: the shares in proportion to
+- ``decide_resplit(shares, speeds, threshold, pending, changed)``: the shares in proportion to
   ``speeds`` when they would make a step at least ``2 × threshold`` faster than the current
-  ones predict (at once), or at least ``threshold`` faster twice in a row, the same way; else
-  none. This is the hysteresis: speeds that wobble by less than the threshold never move the
-  shares, a single noisy window cannot either, and after a re-split the same speeds predict no
-  gain, so the shares cannot flip back and forth between two roundings.
+  ones predict (at once), or at least ``threshold`` faster twice in a row, the same way, or at
+  least ``threshold`` faster when a rank's speed left its own band two windows in a row
+  (``changed``: speed_bands.py); else none. This is the hysteresis: speeds that wobble by less
+  than the threshold never move the shares, a single noisy window cannot either, and after a
+  re-split the same speeds predict no gain, so the shares cannot flip back and forth between
+  two roundings.
 - ``step_split(num_samples, global_batch, step, shares, drop_last)``: the global batch of
   ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
   takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch
@@ -74,14 +76,15 @@ def _same_direction(a: Sequence[int], b: Sequence[int], shares: Sequence[int]) -
 
 
 def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float,
-                   pending: Sequence[int] | None = None) -> Resplit:
+                   pending: Sequence[int] | None = None, changed: bool = False) -> Resplit:
     """Compare the split with ``speeds`` (samples/s of each rank over the last window).
 
     The split in proportion to ``speeds`` is taken at once when it predicts a step at least
     ``2 × threshold`` faster (a worker really changed speed); one that predicts between
     ``threshold`` and that only when the previous comparison proposed a move the same way
-    (``pending``: a drift that persists, not one window's noise); below ``threshold``, never.
-    A rank without a measured speed (0) keeps the split as it is."""
+    (``pending``: a drift that persists, not one window's noise) or when ``changed`` says a
+    rank's speed left its own band two windows in a row (``SpeedBands.observe``); below
+    ``threshold``, never. A rank without a measured speed (0) keeps the split as it is."""
     if len(shares) != len(speeds):
         raise ValueError(f"{len(shares)} shares but {len(speeds)} speeds; give one speed per rank")
     if any(s <= 0 or not math.isfinite(s) for s in speeds):
@@ -92,7 +95,7 @@ def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: fl
     gain = 1.0 - step_time(proposed, speeds) / step_time(shares, speeds)
     if gain < threshold:
         return Resplit()
-    if gain >= 2 * threshold or (pending is not None and _same_direction(pending, proposed, shares)):
+    if gain >= 2 * threshold or changed or (pending is not None and _same_direction(pending, proposed, shares)):
         return Resplit(shares=proposed)
     return Resplit(pending=proposed)
 
