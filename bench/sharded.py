@@ -20,11 +20,10 @@ parameters, the char LM a transformer's share: the step ratio is about how much 
 step has to hide FSDP's extra collectives behind. Memory per rank is parameters + gradients
 + optimizer state as ``train.memory_meter`` reads them after a step (this rank's shards, plus
 the largest unit gathered whole under fsdp; DDP's gradient buckets are not counted, which
-favours ddp). Step time: forward,
-backward and optimizer step, the four ways in turn for ``--rounds`` rounds of ``--steps``
-steps, median per way on rank 0. Where ours and the tutorial differ: ours keeps the last
-block gathered after forward (backward needs it at once; torchtitan does the same), the
-tutorial reshards it and gathers it again.
+favours ddp). Step time: forward, backward and optimizer step, the four ways in turn for
+``--rounds`` rounds of ``--steps`` steps, median per way on rank 0. Where ours and the
+tutorial differ: ours keeps the last block gathered after forward (backward needs it at once;
+torchtitan does the same), the tutorial reshards it and gathers it again.
 
     .venv/bin/python bench/sharded.py [--layers 16] [--width 512] [--rounds 5] [--steps 10]
     .venv/bin/python bench/sharded.py --model charlm --layers 4 --width 256 --batch 8
