@@ -20,10 +20,12 @@ parameters, the char LM a transformer's share: the step ratio is about how much 
 step has to hide FSDP's extra collectives behind. Memory per rank is parameters + gradients
 + optimizer state as ``train.memory_meter`` reads them after a step (this rank's shards, plus
 the largest unit gathered whole under fsdp; DDP's gradient buckets are not counted, which
-favours ddp). Step time: forward, backward and optimizer step, the four ways in turn for
-``--rounds`` rounds of ``--steps`` steps, median per way on rank 0. Where ours and the
-tutorial differ: ours keeps the last block gathered after forward (backward needs it at once;
-torchtitan does the same), the tutorial reshards it and gathers it again.
+favours ddp). Step time: forward, backward and optimizer step, after one untimed step of
+each; then ``--rounds`` × ``--steps`` cycles of one step of each way in turn (the order rotated
+every cycle), so that the machine's slower and faster phases fall on every way alike; median per
+way on rank 0. Where ours and the tutorial differ: ours keeps the last block gathered after
+forward (backward needs it at once; torchtitan does the same), the tutorial reshards it and
+gathers it again.
 
     .venv/bin/python bench/sharded.py [--layers 16] [--width 512] [--rounds 5] [--steps 10]
     .venv/bin/python bench/sharded.py --model charlm --layers 4 --width 256 --batch 8
@@ -116,18 +118,23 @@ def prepared(way: str, args: argparse.Namespace, ctx):
     return model, optimizer, MemoryMeter(model, optimizer, gathered_bytes=gathered)
 
 
-def timed_steps(model, optimizer, batch, loss_of, steps: int) -> list[float]:
+def timed_step(model, optimizer, batch, loss_of) -> float:
+    """Seconds of one forward, backward and optimizer step, after a barrier (so no rank waits inside it)."""
     import torch.distributed as dist
 
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        loss_of(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times
+    dist.barrier()
+    start = time.perf_counter()
+    loss_of(model, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
+
+
+def interleaved_order(cycle: int) -> list[str]:
+    """The ways in the order cycle ``cycle`` runs them: rotated by one each cycle, so no way always
+    follows the same other (whose freed memory and cold caches it would inherit)."""
+    shift = cycle % len(WAYS)
+    return [*WAYS[shift:], *WAYS[:shift]]
 
 
 def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -141,11 +148,15 @@ def worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace)
     ctx = rt.init()
     batch, loss_of = batch_and_loss(args, rank)
     runs = {way: prepared(way, args, ctx) for way in WAYS}
+    for way, (model, optimizer, _meter) in runs.items():
+        timed_step(model, optimizer, batch, loss_of)  # warm-up, untimed: FSDP's lazy init, first allocations
     times: dict[str, list[float]] = {way: [] for way in WAYS}
-    for _ in range(args.rounds):
-        for way, (model, optimizer, _meter) in runs.items():
-            # the first step waits for the others
-            times[way].extend(timed_steps(model, optimizer, batch, loss_of, args.steps)[1:])
+    # One step of each way in turn, not a block of steps per way: the machine's slower and faster
+    # phases (seconds long on these shared cores) then fall on every way alike.
+    for cycle in range(args.rounds * args.steps):
+        for way in interleaved_order(cycle):
+            model, optimizer, _meter = runs[way]
+            times[way].append(timed_step(model, optimizer, batch, loss_of))
     memory = {way: meter.figures().training_state for way, (_m, _o, meter) in runs.items()}
     Path(out, f"rank-{rank}.json").write_text(json.dumps({"times": times, "memory": memory}))
     rt.shutdown()
