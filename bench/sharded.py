@@ -28,7 +28,7 @@ forward (backward needs it at once; torchtitan does the same), the tutorial resh
 gathers it again.
 
     .venv/bin/python bench/sharded.py [--layers 16] [--width 512] [--rounds 5] [--steps 10]
-    .venv/bin/python bench/sharded.py --model charlm --layers 4 --width 256 --batch 8
+    .venv/bin/python bench/sharded.py --model charlm --layers 4 --width 256 --batch 16   # or --batch 8
 
 Prints the rows, then ``RESULT {"fsdp2_memory_vs_ddp", "fsdp4_memory_vs_ddp", "fsdp_step_vs_ddp",
 "fsdp_vs_hand_written", ...}``: memory and step ratios are ours over ddp's (lower is better;
