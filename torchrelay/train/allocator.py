@@ -25,7 +25,7 @@ first freed 16 MiB buffer raises the threshold above it, later ones come from th
 heap fragments: measured here, 16 × Linear(2048, 2048) with Adam on 2 fsdp ranks grew to
 2,052 MiB resident per rank over three steps, and stayed at 894 MiB with the fixed threshold.
 The price is step time: buffers above 1 MiB are faulted in afresh every step (the char LM's
-fsdp step, 1.345 of a ddp job's against 1.186 under glibc's defaults); ``bench/allocator.py``
+fsdp step, 1.27–1.35 of a ddp job's against 1.12–1.19 under glibc's defaults); ``bench/allocator.py``
 weighs each threshold's step time against its resident memory (docs/strategies.md).
 Same rules: process-wide, idempotent, True when it took, ``RELAY_MALLOC_TUNE=0`` turns it off.
 """
