@@ -19,7 +19,7 @@ sets the threshold by replacing ``allocator.RETURNED_MMAP_THRESHOLD_BYTES`` in e
   per setting, the settings' order rotated each round (the machine's phases last seconds to
   minutes), and the median of the rounds' medians. Minor page faults per step come with it.
 - **Memory**: 16 × Linear(2048) (8 MiB shards on 2 ranks) and 64 × Linear(1024) (2 MiB shards),
-  Adam, 32 rows, 5 steps: each rank's peak resident memory (``VmHWM``), the larger of the two ranks.
+  Adam, 32 rows, 5 steps: each rank's peak resident memory (``ru_maxrss``), the larger of the two ranks.
 
     .venv/bin/python bench/allocator.py [--rounds 3] [--steps 20]
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
 import sys
@@ -60,10 +59,6 @@ def apply_setting(setting: str) -> None:
     from torchrelay.train import allocator
 
     allocator.RETURNED_MMAP_THRESHOLD_BYTES = int(float(setting) * 2**20)
-
-
-def _peak_rss_mib() -> float:
-    return int(re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
 
 
 def worker(part: str, setting: str, rank: int, port: int, out: str, steps: int) -> None:
@@ -100,8 +95,9 @@ def worker(part: str, setting: str, rank: int, port: int, out: str, steps: int) 
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [timed_step(model, optimizer, rows, loss_of) for _ in range(steps)]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     Path(out, f"rank-{rank}.json").write_text(json.dumps(
-        {"step_s": statistics.median(times), "faults_per_step": faults / steps, "peak_rss_mib": _peak_rss_mib()}))
+        {"step_s": statistics.median(times), "faults_per_step": faults / steps, "peak_rss_mib": peak_rss_mib}))
     rt.shutdown()
 
 
