@@ -73,7 +73,7 @@ def test_the_leader_killed_mid_job_the_other_takes_over_and_nothing_is_lost(pair
     try:
         with RelayClient(both) as c:
             c.wait_for_nodes(1, timeout=60)
-            job = c.submit(JobSpec.parse({"name": "counted", "entrypoint": "python counter.py 150"}), base_dir=JOBS)
+            job = c.submit(JobSpec.parse({"name": "counted", "entrypoint": "python counter.py 80"}), base_dir=JOBS)
             chaos.wait_until(lambda: len(list(c.iter_logs(job.id))) >= 10, 120, "ten log lines")
             a.kill()
             chaos.wait_until(lambda: role(second) == "leader", 60, "the second server to lead")
@@ -82,8 +82,8 @@ def test_the_leader_killed_mid_job_the_other_takes_over_and_nothing_is_lost(pair
             # attempt 1 to the end: the workers that started the job finished it, through the takeover
             assert (final.state, final.attempt, final.restarts) == (JobState.SUCCEEDED, 1, 0), (final.failure,
                                                                                                  final.events)
-            assert [line.text for line in c.iter_logs(job.id)] == [f"line {i}" for i in range(150)]
-            assert sorted(p.step for p in c.iter_metrics(job.id)) == list(range(150))
+            assert [line.text for line in c.iter_logs(job.id)] == [f"line {i}" for i in range(80)]
+            assert sorted(p.step for p in c.iter_metrics(job.id)) == list(range(80))
             node = c.nodes()[0]
             assert node.state == "READY"
     finally:

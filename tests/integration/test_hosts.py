@@ -7,8 +7,11 @@ holds the host's address, the same all-reduce goes through.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,14 +84,23 @@ def _all_reduce(hosts, env_of) -> tuple[str, str]:
     assert first.startswith("PORT"), head.stdout.read()
     peer = hosts.popen(b, [sys.executable, "-c", RANK, "1", a.address, first.split()[1]], env=env_of(b),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out_peer, _ = peer.communicate(timeout=120)
-    out_head, _ = head.communicate(timeout=120)
+    deadline = time.monotonic() + 120
+    while head.poll() is None and peer.poll() is None:
+        assert time.monotonic() < deadline, "neither rank ended in 120 s"
+        time.sleep(0.1)
+    first_ended = head if head.returncode is not None else peer
+    if first_ended.returncode != 0:
+        # one rank failed: the other would wait out gloo's own 30 s connect timeout (the group's 6 s is not it)
+        for rank in (head, peer):
+            try:
+                rank.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(rank.pid, signal.SIGKILL)
+    out_head, out_peer = (rank.communicate(timeout=120)[0] for rank in (head, peer))
     return out_head, out_peer
 
 
 def test_gloo_across_hosts_needs_the_interface_of_the_advertised_address(hosts):
-    import os
-
     plain = lambda host: {**os.environ, "OMP_NUM_THREADS": "1"}  # noqa: E731
     out_head, out_peer = _all_reduce(hosts, plain)
     assert "SUM 3.0" not in out_head + out_peer

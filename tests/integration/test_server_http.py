@@ -1,8 +1,13 @@
 """The HTTP API of a real server process, through the SDK: errors, bundles, OpenAPI."""
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
-from conftest import bearer
+from conftest import bearer, serving
 
 from torchrelay.client.sdk import RelayClient
 from torchrelay.errors import InvalidSpec, NotFound, ServerUnavailable, Unschedulable
@@ -60,3 +65,23 @@ def test_no_server_is_a_clear_error(relay_home):
         RelayClient()
     with pytest.raises(ServerUnavailable, match="no torchrelay server answers"):
         RelayClient("http://127.0.0.1:9").health()
+
+
+def test_a_long_poll_in_flight_is_answered_when_the_server_stops(relay_home):
+    """On SIGTERM uvicorn lets the requests in flight finish: a follow waiting for news gets its
+    (empty) page then, instead of holding the exit and being cut off at uvicorn's graceful timeout."""
+    from torchrelay.home import read_json, server_file
+
+    with serving(relay_home) as address:
+        pid = read_json(server_file(relay_home))["pid"]
+        with httpx.Client(base_url=f"{address}/api/v1", headers=bearer(address), timeout=120) as http:
+            http.post("/nodes/register", json=NodeRegistration(name="n", address="127.0.0.1", cpus=2,
+                                                               memory=2**30).model_dump()).raise_for_status()
+            job = http.post("/jobs", json={"spec": {"entrypoint": "python x.py"}}).json()  # no agent runs it
+            with ThreadPoolExecutor(1) as pool:
+                follow = pool.submit(http.get, f"/jobs/{job['id']}/metrics", params={"after": 0, "wait": 60})
+                time.sleep(1)  # the request is in the server's wait by then (a local request takes ms)
+                assert not follow.done()
+                os.kill(pid, signal.SIGTERM)
+                reply = follow.result(timeout=60)
+    assert reply.status_code == 200 and reply.json()["points"] == [], reply.text

@@ -56,7 +56,7 @@ def test_kill_9_server_mid_job_then_restart(relay_home):
             procs.append(start(["agent", "--address", address, "--name", "a0", "--cpus", "1",
                                 "--work-dir", str(relay_home / "a0")], relay_home, "agent.log"))
             c.wait_for_nodes(1, timeout=60)
-            first = c.submit(JobSpec.parse({"name": "first", "entrypoint": "python counter.py 150"}), base_dir=JOBS)
+            first = c.submit(JobSpec.parse({"name": "first", "entrypoint": "python counter.py 80"}), base_dir=JOBS)
             second = c.submit(JobSpec.parse({"name": "second", "entrypoint": "python counter.py 5"}), base_dir=JOBS)
             wait_until(lambda: len(all_logs(c, first.id)) >= 5)
             before = [(j.id, j.name) for j in c.jobs()]
@@ -72,8 +72,8 @@ def test_kill_9_server_mid_job_then_restart(relay_home):
             assert [(j.id, j.name) for j in c.jobs()] == before
             assert c.wait(first.id, timeout=120).state == JobState.SUCCEEDED
             assert c.wait(second.id, timeout=120).state == JobState.SUCCEEDED
-            assert all_logs(c, first.id) == [f"line {i}" for i in range(150)]
-            assert sorted(all_metric_steps(c, first.id)) == list(range(150))
+            assert all_logs(c, first.id) == [f"line {i}" for i in range(80)]
+            assert sorted(all_metric_steps(c, first.id)) == list(range(80))
     finally:
         for proc in reversed(procs):
             kill_group(proc.pid)

@@ -38,7 +38,7 @@ async def follow(svc: ClusterService, kind: str, job_id: str, wait: float, fetch
     page = await run_sync(fetch)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
-    while not has_news(page) and not page.job_state.terminal and loop.time() < deadline:
+    while not (has_news(page) or page.job_state.terminal or svc.notifier.closed) and loop.time() < deadline:
         version = await svc.notifier.wait(key, version, deadline - loop.time())
         page = await run_sync(fetch)
     return page

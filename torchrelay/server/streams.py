@@ -160,5 +160,7 @@ async def follow(svc: ClusterService, feed: Feed, after: int, shared: SharedRead
                 yield b'event: end\ndata: "%s"\n\n' % chunk.finished.value.encode()
                 return
             continue  # drain: read once more before the end
+        if svc.notifier.closed:
+            return  # the server is shutting down: the browser's EventSource reconnects (retry above)
         if await svc.notifier.wait(feed.notify_key, version, keepalive_s) == version:
             yield b": keepalive\n\n"
