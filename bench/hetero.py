@@ -20,7 +20,8 @@ examples/digits, global batch 128, target loss 0.35 (the digits rows in docs/ben
   cgroup, written here): how many steps until its shares settle. The shares and measured
   speeds at each re-measurement are printed.
 
-Throughput is samples/s of the global batch over the steps after a warm-up; time to loss is
+Throughput is samples/s of the global batch over the steps after a warm-up, printed with each
+rank's mean fraction of a step spent waiting in the all-reduce (after step 20); time to loss is
 wall time from the first step until the loss (an exponential average) falls below
 ``--target-loss``. No sleep anywhere in the training code: the speed difference is the cgroup's.
 
@@ -160,7 +161,18 @@ def run_job(client, code: Path, args, *, strategy: dict, workers: int, label: st
     if final.state != JobState.SUCCEEDED:
         raise RuntimeError(f"{info.id} {final.state.value}: {final.failure}")
     line = next(x.text for x in client.iter_logs(info.id, rank=0) if x.text.startswith("BENCH "))
-    return json.loads(line.split(" ", 1)[1]), points
+    row = json.loads(line.split(" ", 1)[1])
+    row["idle"] = idle_by_rank(points)
+    return row, points
+
+
+def idle_by_rank(points: list, after_step: int = 20) -> dict[int, float]:
+    """Each rank's mean ``idle_fraction`` (waiting in the all-reduce) over the steps after ``after_step``."""
+    fractions: dict[int, list[float]] = {}
+    for p in points:
+        if p.step > after_step and "idle_fraction" in p.values:
+            fractions.setdefault(p.rank, []).append(p.values["idle_fraction"])
+    return {rank: sum(f) / len(f) for rank, f in sorted(fractions.items())}
 
 
 def run_solos(address: str, code: Path, args) -> dict[str, dict]:
@@ -248,10 +260,11 @@ def main(argv=None) -> None:
     finally:
         stop_cluster(cluster.home)
         shutil.rmtree(home, ignore_errors=True)
-    print(f"{'run':<20} {'samples/s':>10} {'time to loss':>14}")
+    print(f"{'run':<20} {'samples/s':>10} {'time to loss':>14}   idle in the all-reduce, by rank")
     for name, row in rows.items():
         ttl = f"{row['time_to_loss_s']:.2f} s" if row["time_to_loss_s"] is not None else "not reached"
-        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}")
+        idle = ", ".join(f"{rank}: {fraction:.0%}" for rank, fraction in row["idle"].items()) or "-"
+        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}   {idle}")
     solo_sum = rows["solo fast"]["samples_per_s"] + rows["solo slow"]["samples_per_s"]
     balanced_rate, plain_rate = rows["balanced ddp"]["samples_per_s"], rows["plain ddp"]["samples_per_s"]
     ttl_b, ttl_p = rows["balanced ddp"]["time_to_loss_s"], rows["plain ddp"]["time_to_loss_s"]

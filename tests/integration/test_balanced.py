@@ -110,6 +110,23 @@ def scenario_coverage(rank: int, x, y) -> dict:
     return {"seen": seen, "sizes": sizes, "steps": len(loader)}
 
 
+def scenario_calibration(rank: int) -> list:
+    """The balancer's shares after each of 43 steps, over real collectives, with compute times
+    that say rank 0 trains 100 samples/s and rank 1 57 in the calibration steps, 50 after."""
+    from torchrelay.train.balance import Balancer
+
+    balancer = Balancer(rank=rank, world=2, every=20, threshold=0.1)
+    balancer.set_global_batch(GLOBAL_BATCH)
+    history = []
+    for step in range(1, 44):
+        share = balancer.share
+        balancer.on_batch(share, GLOBAL_BATCH)
+        speed = 100.0 if rank == 0 else (57.0 if step <= 3 else 50.0)
+        balancer.after_step(step, None if step == 1 else share / speed)  # the first step has no start
+        history.append(list(balancer.shares))
+    return history
+
+
 def scenario_local_sgd(rank: int, x, y, kind: str = "local_sgd") -> list:
     """Local SGD every 2 steps on shares (43, 21) (or DiLoCo with outer lr 1 and no momentum,
     which is the same): the parameters after 4 steps."""
@@ -223,7 +240,7 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         result = {"gradients": scenario_gradients(rank, x, y), "coverage": scenario_coverage(rank, x, y),
                   "local_sgd": scenario_local_sgd(rank, x, y), "diloco": scenario_local_sgd(rank, x, y, "diloco"),
-                  "idle": scenario_idle(rank, x, y),
+                  "idle": scenario_idle(rank, x, y), "calibration": scenario_calibration(rank),
                   "resume": scenario_resume(rank, x, y, out_dir)}
         if rank == 0:
             result["reference"] = local_sgd_reference(x, y)
@@ -247,6 +264,15 @@ def ranks(tmp_path_factory):
 def test_weighted_split_gradient_equals_the_whole_batch(ranks, split):
     for rank in ranks:
         assert rank["gradients"][split] < 1e-6
+
+
+def test_the_window_after_calibration_refines_a_split_that_gains_under_the_threshold(ranks):
+    # calibrated on 57 samples/s, rank 1 trains 50: 41 + 23 predicts a step 6.5 % slower than
+    # 43 + 21, under the 10 % threshold, so only the refinement in the next window moves it
+    for rank in ranks:
+        history = rank["calibration"]
+        assert history[2] == [41, 23] and history[21] == [41, 23]
+        assert history[22] == [43, 21] and history[-1] == [43, 21]
 
 
 def test_every_sample_once_per_epoch_across_a_resplit(ranks):

@@ -16,7 +16,8 @@ Contract:
   everyone's) carry, and ``after_step(step, compute_s)``: after the calibration steps and every
   ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
-  a rank's speed left its own spread for good) and broadcasts the shares, which the next batch
+  a rank's speed left its own spread for good; the first window after calibration refines the
+  calibrated split with half the threshold) and broadcasts the shares, which the next batch
   uses. Collective at those steps (every rank calls ``after_step`` at every step: the prepared
   optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
   (``TrainState`` saves them, so a resumed job continues with the same split; the speed
@@ -122,6 +123,7 @@ class Balancer:
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
+        self._refining = False  # the next comparison is the first after calibration moved the shares
 
     def set_global_batch(self, global_batch: int) -> None:
         """The global batch ``B``; an even split unless shares for this ``B`` are known."""
@@ -168,7 +170,8 @@ class Balancer:
         new = None
         if self.rank == 0:
             speed_changed = self._bands.observe(self.speeds)
-            outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed)
+            outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
+                                       refining=self._refining)
             new, self._pending = outcome.shares, outcome.pending
             if new is not None and new != self.shares:
                 self._bands.reset()
@@ -179,6 +182,7 @@ class Balancer:
         changed = shares != self.shares
         self.shares = shares
         self.resplits += changed
+        self._refining = changed and step == self.calibration_steps
         return changed
 
     def metrics(self) -> dict[str, float]:
