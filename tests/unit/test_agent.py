@@ -12,7 +12,7 @@ from torchrelay.agent.commands import build_torchrun_command, build_worker_env
 from torchrelay.agent.daemon import Agent
 from torchrelay.agent.resources import detect_launcher_labels
 from torchrelay.agent.exits import classify_exit, describe_rank, exit_message
-from torchrelay.agent.output import LineTailer, parse_metric_line
+from torchrelay.agent.output import LaunchOutput, LineTailer, parse_metric_line
 from torchrelay.agent.resources import parse_nvidia_smi_list
 from torchrelay.agent.target import (TargetKind, UsageError, WorkerTarget, target_of_entrypoint,
                                      target_of_worker_argv)
@@ -317,6 +317,18 @@ def test_line_tailer_sends_complete_lines_and_the_rest_at_the_end(tmp_path):
     assert tailer.read() == ["two"]
     assert tailer.read(final=True) == ["thr\ufffdee"]
     assert tailer.read(final=True) == []
+
+
+def test_launch_output_keeps_every_line_in_the_log_and_the_last_non_blank_ones_for_a_failure(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0.log").write_bytes(b"o step 1\ne rank 0 warns\no rank 0 gives up\ne \ne   \n")
+    output = LaunchOutput(tmp_path, [0], attempt=1)
+    records, _ = output.read(final=True)
+    assert [(r.stream, r.text) for r in records] == [("stdout", "step 1"), ("stderr", "rank 0 warns"),
+                                                      ("stdout", "rank 0 gives up"), ("stderr", ""),
+                                                      ("stderr", "  ")]
+    assert list(output.last_lines[0]) == ["step 1", "rank 0 warns", "rank 0 gives up"]
 
 
 def test_line_tailer_cuts_endless_lines(tmp_path, monkeypatch):

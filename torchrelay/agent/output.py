@@ -10,8 +10,9 @@ Contract:
 - ``LaunchOutput(run_dir, ranks, attempt)`` tails ``logs/rank-R.log`` and
   ``metrics/rank-R.jsonl`` of each rank: ``read(final)`` returns the new ``wire.LogRecord``s and
   ``wire.MetricRecord``s, numbered per (rank, stream) and per rank from 0 (the numbers the server
-  dedups resends by); ``last_lines[rank]`` keeps each rank's last ``LAST_LINES`` lines. Not
-  thread-safe: its launch serialises the reads.
+  dedups resends by); ``last_lines[rank]`` keeps each rank's last ``LAST_LINES`` lines that are
+  not blank (they are a failure's evidence; the log keeps every line). Not thread-safe: its
+  launch serialises the reads.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ class LaunchOutput:
                 logs.append(wire.LogRecord(rank=rank, attempt=self.attempt, stream=stream,
                                            seq=self._log_seq[(rank, stream)], text=text))
                 self._log_seq[(rank, stream)] += 1
-                self.last_lines[rank].append(text)
+                if text.strip():  # a blank line at exit (seen from a rank's runtime) would push out the cause
+                    self.last_lines[rank].append(text)
         metrics = []
         for rank, tailer in self._metrics.items():
             for line in tailer.read(final=final):
