@@ -46,6 +46,7 @@ dist.destroy_process_group()
 
 
 def make_launch(tmp_path: Path, *args: str, launch_id: str) -> Launch:
+    """A 2-rank torchrun launch of TRAIN whose processes see ``tmp_path/tmp`` as the temp folder."""
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
     (code / "train.py").write_text(textwrap.dedent(TRAIN))
@@ -53,7 +54,9 @@ def make_launch(tmp_path: Path, *args: str, launch_id: str) -> Launch:
         launch_id=launch_id, job_id="job-1", attempt=1, desired="run", node_rank=0, nnodes=1,
         nproc_per_node=2, world_size=2, rank_offset=0, entrypoint=["python", "train.py", *args],
         bundle=None, store_url=str(tmp_path / "store"), job_store_prefix="jobs/job-1")
-    return Launch(assignment, code_dir=code, run_dir=tmp_path / "run", relay_address="http://127.0.0.1:9")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return Launch(assignment, code_dir=code, run_dir=tmp_path / "run", relay_address="http://127.0.0.1:9",
+                  base_env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
 
 
 
@@ -90,6 +93,9 @@ def test_success_with_logs_and_metrics(tmp_path, launches):
         [(rank, s, s, float(2 * s + 1)) for rank in (0, 1) for s in range(3)]
     assert launch.take_logs() == [] and launch.take_metrics() == []  # nothing sent twice
     assert launch.remaining_processes() == []
+    # torchrun's own files (the workers' error files) are the launch's, not a temp folder's for good
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / "run" / "torchrun").glob("*/attempt_0/*")) == ["0", "1"]
 
 
 def test_failing_rank_reports_its_code_and_last_lines(tmp_path, launches):

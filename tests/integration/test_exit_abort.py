@@ -91,7 +91,8 @@ def test_plain_torchrun_fails_on_the_abort_after_return(tmp_path):
     code = write_script(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(pick_free_port()), "--max-restarts", "0", "train.py"],
+         "--master-port", str(pick_free_port()), "--max-restarts", "0", "--log-dir", str(tmp_path / "torchrun"),
+         "train.py"],
         cwd=code, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=200,
         start_new_session=True)
     output = proc.stdout + proc.stderr

@@ -41,7 +41,7 @@ def reference_model(tmp_path_factory):
     for var in ("RELAY_JOB_ID", "RELAY_STORE_URL", "RELAY_JOB_STORE_PREFIX", "RELAY_CHECKPOINT", "RELAY_METRICS_DIR"):
         env.pop(var, None)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "torchrelay.agent.worker", "trainer.py"],
+                             "--log-dir", str(out / "torchrun"), "-m", "torchrelay.agent.worker", "trainer.py"],
                             cwd=JOBS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -135,7 +135,8 @@ def test_ranks_agree_on_a_stop_request_only_one_received(tmp_path):
     for var in ("RELAY_STORE_URL", "RELAY_JOB_STORE_PREFIX", "RELAY_CHECKPOINT", "RELAY_METRICS_DIR"):
         env.pop(var, None)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "torchrelay.agent.worker", "agree.py"], cwd=JOBS, env=env,
+                             "--log-dir", str(tmp_path / "torchrun"), "-m", "torchrelay.agent.worker", "agree.py"],
+                            cwd=JOBS, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=120)

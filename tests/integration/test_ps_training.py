@@ -41,8 +41,8 @@ class Job:
         env.pop("RELAY_PS_STORE", None)
         world = self.workers + self.servers
         if torchrun:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={world}", str(JOB), "--torchrun"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "--log-dir", str(out / "torchrun"), str(JOB), "--torchrun"]
             self.procs = [subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)]
             return
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -32,7 +32,7 @@ def test_train_script_runs_under_torchrun_with_a_strategy(tmp_path, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RELAY_STRATEGY": strategy, "RELAY_OUTPUT_DIR": str(tmp_path),
            "RELAY_METRICS_DIR": str(tmp_path / "metrics")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "train.py", "--data", str(corpus), "--steps", "24",
+           "--master-port", str(_free_port()), "--log-dir", str(tmp_path / "torchrun"), "train.py", "--data", str(corpus), "--steps", "24",
            "--eval-every", "12", "--val-batches", "2"]
     proc = subprocess.Popen(cmd, cwd=CHARLM, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,17 +87,19 @@ def test_the_worker_reads_back_the_target_it_was_given(target):
 
 
 def test_torchrun_command_static_rendezvous_through_the_hook():
-    cmd = build_torchrun_command(assignment(), master_addr="10.0.0.5", master_port=29511, python="/py")
+    cmd = build_torchrun_command(assignment(), master_addr="10.0.0.5", master_port=29511, python="/py",
+                                 log_dir=Path("/run/l-1/torchrun"))
     assert cmd[:3] == ["/py", "-m", "torch.distributed.run"]
-    options = dict(zip(cmd[3:17:2], cmd[4:17:2]))
+    options = dict(zip(cmd[3:19:2], cmd[4:19:2]))
     assert options == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "2",
                        "--master-addr": "10.0.0.5", "--master-port": "29511", "--max-restarts": "0",
-                       "--shutdown-timeout": "10"}
-    assert cmd[17:] == ["-m", "torchrelay.agent.worker", "train.py", "--lr", "0.1"]
+                       "--shutdown-timeout": "10", "--log-dir": "/run/l-1/torchrun"}
+    assert cmd[19:] == ["-m", "torchrelay.agent.worker", "train.py", "--lr", "0.1"]
 
 
 def test_torchrun_command_for_a_program_execs_it_under_the_supervisor():
-    cmd = build_torchrun_command(assignment(entrypoint=["bash", "go.sh"]), master_addr="h", master_port=1)
+    cmd = build_torchrun_command(assignment(entrypoint=["bash", "go.sh"]), master_addr="h", master_port=1,
+                                 log_dir="l")
     assert cmd[-4:] == ["torchrelay.agent.worker", "--exec", "bash", "go.sh"]
 
 
@@ -107,7 +110,7 @@ def test_torchrun_command_for_a_program_execs_it_under_the_supervisor():
 ])
 def test_torchrun_command_refuses_bad_rendezvous(addr, port, message):
     with pytest.raises(ValueError, match=message):
-        build_torchrun_command(assignment(), master_addr=addr, master_port=port)
+        build_torchrun_command(assignment(), master_addr=addr, master_port=port, log_dir="l")
 
 
 @pytest.mark.parametrize("base, job_env, expected_omp", [

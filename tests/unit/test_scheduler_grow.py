@@ -134,7 +134,7 @@ def test_the_workers_of_a_joiners_launch_are_told_to_join_and_torchrun_refuses_t
                                spec_stop_grace_s=5.0, master=("h", 4100), store_url="/store")
     assert joiner.env == {"A": "1", "RELAY_ELASTIC_JOIN": "1"} and member.env == {"A": "1"}
     with pytest.raises(ValueError, match="RELAY_ELASTIC_JOIN=1.*need the warm launch"):
-        build_torchrun_command(joiner, master_addr="h", master_port=4100)
+        build_torchrun_command(joiner, master_addr="h", master_port=4100, log_dir="l")
 
 
 def test_the_policy_is_told_how_far_a_running_elastic_job_may_grow_and_where():

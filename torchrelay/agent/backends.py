@@ -195,7 +195,7 @@ class TorchrunBackend(CommandBackend):
 
     def command(self, env: dict[str, str], master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
         return build_torchrun_command(self.place.assignment, master_addr=master_addr, master_port=master_port,
-                                      python=self.place.python), env
+                                      log_dir=self.place.run_dir / "torchrun", python=self.place.python), env
 
 
 class _MpiBackend(CommandBackend):

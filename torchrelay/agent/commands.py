@@ -3,7 +3,8 @@
 Contract:
 - ``is_direct(assignment)``: a world of one (one node, one worker) is started without torchrun.
 - ``build_torchrun_command``: torchrun with static rendezvous (``--nnodes``, ``--node-rank``,
-  ``--nproc-per-node``, ``--master-addr``, ``--master-port``, ``--max-restarts 0``), every
+  ``--nproc-per-node``, ``--master-addr``, ``--master-port``, ``--max-restarts 0``), its own
+  files (``--log-dir``: the workers' error files) in the launch's folder, every
   worker under the exit hook (``-m WORKER_MODULE`` and the target's ``worker_argv``); never
   for a launch of joiners of a running elastic job (``RELAY_ELASTIC_JOIN=1``).
 - ``direct_command(target, python)``: a hosted script or module as
@@ -51,9 +52,11 @@ def _check_rendezvous(master_addr: str, master_port: int, whose: str) -> None:
 
 
 def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: str,
-                           master_port: int, python: str = sys.executable,
+                           master_port: int, log_dir: Path | str, python: str = sys.executable,
                            shutdown_timeout_s: int = 10) -> list[str]:
-    """The torchrun argv for ``assignment``. Raises ``ValueError`` for a launch of joiners
+    """The torchrun argv for ``assignment``; torchrun keeps its files under ``log_dir`` (without
+    ``--log-dir`` it makes a ``/tmp/torchelastic_*`` folder per launch and never removes it).
+    Raises ``ValueError`` for a launch of joiners
     (``RELAY_ELASTIC_JOIN=1``: a grown elastic job's): torchrun's static rendezvous would wait
     for a world that formed long ago; only the warm launch starts them."""
     if assignment.env.get(JOIN_VAR) == "1":
@@ -69,6 +72,7 @@ def build_torchrun_command(assignment: wire.LaunchAssignment, *, master_addr: st
         "--master-port", str(master_port),
         "--max-restarts", "0",
         "--shutdown-timeout", str(int(shutdown_timeout_s)),
+        "--log-dir", os.fspath(log_dir),
         "-m", WORKER_MODULE, *target_of_entrypoint(assignment.entrypoint, python).worker_argv(),
     ]
 

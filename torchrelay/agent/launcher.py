@@ -29,7 +29,8 @@ Contract:
 
 Files under ``run_dir``: ``logs/rank-R.log`` (tagged lines, see the worker), ``metrics/rank-R.jsonl``,
 ``status/rank-R.json`` (the worker's marker) and the backend's own log (``torchrun.log``, or
-``launch.log`` for a direct launch: the command line, and why it could not start if it could not).
+``launch.log`` for a direct launch: the command line, and why it could not start if it could not);
+under a torchrun launch also ``torchrun/`` (torchrun's ``--log-dir``: each worker's error file).
 """
 from __future__ import annotations
 
