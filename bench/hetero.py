@@ -24,6 +24,10 @@ Throughput is samples/s of the global batch over the steps after a warm-up, prin
 rank's mean fraction of a step spent waiting in the all-reduce (after step 20); time to loss is
 wall time from the first step until the loss (an exponential average) falls below
 ``--target-loss``. No sleep anywhere in the training code: the speed difference is the cgroup's.
+The balanced run's step is then taken apart (``step_budget``): the step at the solo jobs'
+speeds, what the pair loses per sample, the split's rounding, the jitter between the ranks, the
+all-reduce itself and the rest, in ms and as shares of the step: what stands between
+vs_sum_solo and 1.
 
 Why two models: every step of data parallel pays one gradient all-reduce, a few ms on this
 machine's gloo (``bench/step_allreduce.py``). The digits CNN's step is 13 ms, so that fixed cost
@@ -175,6 +179,46 @@ def idle_by_rank(points: list, after_step: int = 20) -> dict[int, float]:
     return {rank: sum(f) / len(f) for rank, f in sorted(fractions.items())}
 
 
+def step_budget(points: list, global_batch: int, samples_per_s: float, solo_sum: float,
+                after_step: int = 20) -> dict[str, float] | None:
+    """Where a two-rank step's time goes, in ms per step, from each rank's ``compute_s``,
+    ``allreduce_wait_s`` and ``share`` (steps after ``after_step`` that both ranks reported).
+    The parts add up to the measured step (``global_batch / samples_per_s``):
+
+    - ``solo speeds``: the step if the pair computed at the solo jobs' speeds, with nothing
+      lost to working together (``global_batch / solo_sum``: what vs_sum_solo compares with);
+    - ``pair slower per sample``: the pair's compute split perfectly at the speeds it measured
+      (``global_batch / sum of share / compute``), less the above;
+    - ``split off``: the slower rank's mean compute, less that perfect split (the shares'
+      rounding to whole samples, and the hysteresis that keeps them);
+    - ``jitter``: the mean over steps of the slower rank's compute, less the slower rank's mean:
+      each step waits for whichever rank is late this time;
+    - ``all-reduce``: the shorter of the two ranks' waits each step (the one that arrived last
+      waits only for the all-reduce itself);
+    - ``rest``: the remainder (the optimizer's step, the balancer, ``report``).
+
+    None when no step has the figures of both ranks."""
+    by_step: dict[int, dict[int, dict]] = {}
+    for p in points:
+        if p.step > after_step and "compute_s" in p.values and "share" in p.values:
+            by_step.setdefault(p.step, {})[p.rank] = p.values
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == 2]
+    if not steps:
+        return None
+    n = len(steps)
+    compute = {r: sum(by_step[s][r]["compute_s"] for s in steps) / n for r in (0, 1)}
+    share = {r: sum(by_step[s][r]["share"] for s in steps) / n for r in (0, 1)}
+    perfect = global_batch / sum(share[r] / compute[r] for r in (0, 1))
+    slower_mean = max(compute.values())
+    slower_each = sum(max(by_step[s][r]["compute_s"] for r in (0, 1)) for s in steps) / n
+    floor = sum(min(by_step[s][r]["allreduce_wait_s"] for r in (0, 1)) for s in steps) / n
+    step = global_batch / samples_per_s
+    solo = global_batch / solo_sum
+    parts = {"solo speeds": solo, "pair slower per sample": perfect - solo, "split off": slower_mean - perfect,
+             "jitter": slower_each - slower_mean, "all-reduce": floor, "rest": step - slower_each - floor}
+    return {name: 1000 * seconds for name, seconds in parts.items()}
+
+
 def run_solos(address: str, code: Path, args) -> dict[str, dict]:
     """The solo job on each agent (``--solos``: both at once, a client each, or in turn); their BENCH rows."""
     from concurrent.futures import ThreadPoolExecutor
@@ -243,9 +287,9 @@ def main(argv=None) -> None:
             rows["plain ddp"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=2, label=None,
                                            steps=args.steps)
             balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
-            rows["balanced ddp"], points = run_job(client, code, args, strategy=balanced, workers=2, label=None,
-                                                   steps=args.steps)
-            shares = sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
+            rows["balanced ddp"], balanced_points = run_job(client, code, args, strategy=balanced, workers=2,
+                                                            label=None, steps=args.steps)
+            shares = sorted({p.values.get("share") for p in balanced_points if p.rank == 0 and p.step > 40})
             lift = {"at": None, "step": None}
 
             def lift_at_step(point) -> None:
@@ -271,6 +315,11 @@ def main(argv=None) -> None:
     result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
               "resettle_steps": resettle}
+    budget = step_budget(balanced_points, args.batch, balanced_rate, solo_sum)
+    if budget:
+        step_ms = args.batch / balanced_rate * 1000
+        print(f"the balanced step, {step_ms:.0f} ms: " + "; ".join(
+            f"{name} {ms:.0f} ms ({ms / step_ms:.0%})" for name, ms in budget.items()))
     print(f"balanced / (solo fast + solo slow) = {result['vs_sum_solo']}  (goal >= 0.9)")
     print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
     print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
