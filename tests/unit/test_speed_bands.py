@@ -55,6 +55,19 @@ def test_a_jittery_rank_needs_a_larger_move_than_a_steady_one():
     assert [steady.observe(w) for w in [(100.0, 65.0), (100.0, 65.0)]] == [False, True]
 
 
+def test_steady_speeds_are_each_ranks_mean_in_band_once_every_rank_has_three_windows():
+    bands = SpeedBands(floor=0.1)
+    bands.observe([100.0, 50.0])
+    bands.observe([102.0, 51.0])
+    assert bands.steady_speeds() is None
+    bands.observe([104.0, 52.0])
+    assert bands.steady_speeds() == (102.0, 51.0)
+    bands.observe([103.0, 80.0])  # out of rank 1's band: not part of its steady speed
+    assert bands.steady_speeds() == (102.25, 51.0)
+    bands.reset()
+    assert bands.steady_speeds() is None
+
+
 def test_reset_forgets_every_rank():
     bands = SpeedBands(floor=0.1)
     for w in [*STEADY, (100.0, 75.0)]:

@@ -17,9 +17,10 @@ Contract:
   ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
   a rank's speed left its own spread for good; the first window after calibration refines the
-  calibrated split with half the threshold) and broadcasts the shares, which the next batch
-  uses. Collective at those steps (every rank calls ``after_step`` at every step: the prepared
-  optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
+  calibrated split with half the threshold; once between two such moves, speeds steady over
+  several windows may move it by a quarter of the threshold, ``shares.fine_resplit``) and
+  broadcasts the shares, which the next batch uses. Collective at those steps (every rank
+  calls ``after_step`` at every step: the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
   (``TrainState`` saves them, so a resumed job continues with the same split; the speed
   windows are not saved: a resumed job may run on other nodes).
 - ``BalancedLoader`` (``train.shard`` under ``balance: throughput``): the batches of this rank,
@@ -124,6 +125,7 @@ class Balancer:
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
         self._refining = False  # the next comparison is the first after calibration moved the shares
+        self._fine_taken = False  # rank 0: the one fine move since decide_resplit's last move was made
 
     def set_global_batch(self, global_batch: int) -> None:
         """The global batch ``B``; an even split unless shares for this ``B`` are known."""
@@ -173,6 +175,11 @@ class Balancer:
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
                                        refining=self._refining)
             new, self._pending = outcome.shares, outcome.pending
+            if new is not None and new != self.shares:
+                self._fine_taken = False
+            elif self._pending is None and not self._fine_taken and (steady := self._bands.steady_speeds()):
+                new = S.fine_resplit(self.shares, steady, self.threshold)
+                self._fine_taken = new is not None
             if new is not None and new != self.shares:
                 self._bands.reset()
         decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)

@@ -14,6 +14,9 @@ Contract:
   a change that persists, not one window's noise. That rank's band then restarts from those two
   windows (its new level). Windows in band join the rank's history (the last ``keep``); windows
   out of band do not. A rank needs ``min_windows`` in its history before it can be out of band.
+- ``steady_speeds()``: every rank's mean speed over the windows in its band, or None while a
+  rank has fewer than ``min_windows`` of them: a longer, steadier measurement than one window,
+  for the balancer's fine adjustment (shares.fine_resplit).
 - ``reset()``: forget all histories (call it when the shares change: a rank's samples/s depends
   on its batch size, so windows at other shares are not comparable).
 - Deterministic: the same windows give the same answers. Not saved with a checkpoint: a resumed
@@ -43,6 +46,12 @@ class SpeedBands:
     def reset(self) -> None:
         """Forget every rank's windows. Idempotent."""
         self._history, self._streak = [], []
+
+    def steady_speeds(self) -> tuple[float, ...] | None:
+        """Each rank's mean over its in-band windows; None unless every rank has ``min_windows``."""
+        if not self._history or any(len(h) < self.min_windows for h in self._history):
+            return None
+        return tuple(statistics.fmean(h) for h in self._history)
 
     def _side(self, rank: int, speed: float) -> int:
         """+1 above the rank's band, -1 below, 0 inside (or too few windows to tell)."""
