@@ -103,8 +103,8 @@ class _Balanced(_Strict):
     the global batch unchanged (docs/heterogeneous.md). ``balance_every``: steps between
     re-measurements (K); ``balance_threshold``: the least predicted gain in step time that
     moves the shares (the hysteresis; half of it in the first window after calibration, a
-    quarter for one move on speeds steady over three windows), and the least relative move of a
-    rank's speed that can count as a real change of it."""
+    quarter for one move on speeds steady over three windows before any changed), and the
+    least relative move of a rank's speed that can count as a real change of it."""
 
     balance: Literal["none", "throughput"] = "none"
     balance_every: int = Field(default=20, ge=1)

@@ -110,10 +110,11 @@ def scenario_coverage(rank: int, x, y) -> dict:
     return {"seen": seen, "sizes": sizes, "steps": len(loader)}
 
 
-def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.0, steps: int = 43) -> list:
+def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.0, steps: int = 43,
+                         rank1_speed=None) -> list:
     """The balancer's shares after each of ``steps`` steps, over real collectives, with compute
     times that say rank 0 trains 100 samples/s and rank 1 ``calibrated`` in the calibration
-    steps, ``after`` later."""
+    steps, ``after`` later (or ``rank1_speed(step)``)."""
     from torchrelay.train.balance import Balancer
 
     balancer = Balancer(rank=rank, world=2, every=20, threshold=0.1)
@@ -122,7 +123,7 @@ def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.
     for step in range(1, steps + 1):
         share = balancer.share
         balancer.on_batch(share, GLOBAL_BATCH)
-        speed = 100.0 if rank == 0 else (calibrated if step <= 3 else after)
+        speed = 100.0 if rank == 0 else rank1_speed(step) if rank1_speed else (calibrated if step <= 3 else after)
         balancer.after_step(step, None if step == 1 else share / speed)  # the first step has no start
         history.append(list(balancer.shares))
     return history
@@ -243,6 +244,8 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
                   "local_sgd": scenario_local_sgd(rank, x, y), "diloco": scenario_local_sgd(rank, x, y, "diloco"),
                   "idle": scenario_idle(rank, x, y), "calibration": scenario_calibration(rank),
                   "fine": scenario_calibration(rank, calibrated=42.0, after=40.0, steps=103),
+                  "fine_after_change": scenario_calibration(rank, steps=143, rank1_speed=lambda s: (
+                      42.0 if s <= 3 else 40.0 if s <= 23 else 30.0 if s <= 33 else 26.0)),
                   "resume": scenario_resume(rank, x, y, out_dir)}
         if rank == 0:
             result["reference"] = local_sgd_reference(x, y)
@@ -285,6 +288,15 @@ def test_speeds_steady_for_three_windows_move_a_split_once_by_a_quarter_of_the_t
         history = rank["fine"]
         assert history[2] == [45, 19] and history[61] == [45, 19]
         assert history[62] == [46, 18] and history[-1] == [46, 18]
+
+
+def test_no_fine_move_once_a_worker_changed_speed(ranks):
+    # as above, but rank 1 slows to 30 at step 24 and 26 at 34: the window of step 43 moves the
+    # shares to 50 + 14, and though 51 + 13 fits 26 by 5 %, nothing moves them after
+    for rank in ranks:
+        history = rank["fine_after_change"]
+        assert history[42] == [50, 14] and history[-1] == [50, 14]
+        assert len({tuple(h) for h in history}) == 3  # 32 + 32, 45 + 19, 50 + 14
 
 
 def test_every_sample_once_per_epoch_across_a_resplit(ranks):

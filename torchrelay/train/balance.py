@@ -17,8 +17,8 @@ Contract:
   ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
   a rank's speed left its own spread for good; the first window after calibration refines the
-  calibrated split with half the threshold; once between two such moves, speeds steady over
-  several windows may move it by a quarter of the threshold, ``shares.fine_resplit``) and
+  calibrated split with half the threshold; once, before any rank changed speed, speeds steady
+  over several windows may move it by a quarter of the threshold, ``shares.fine_resplit``) and
   broadcasts the shares, which the next batch uses. Collective at those steps (every rank
   calls ``after_step`` at every step: the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
   (``TrainState`` saves them, so a resumed job continues with the same split; the speed
@@ -125,7 +125,7 @@ class Balancer:
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
         self._refining = False  # the next comparison is the first after calibration moved the shares
-        self._fine_taken = False  # rank 0: the one fine move since decide_resplit's last move was made
+        self._fine_due = True  # rank 0: the fine move may still come (not yet made, no speed changed)
 
     def set_global_batch(self, global_batch: int) -> None:
         """The global batch ``B``; an even split unless shares for this ``B`` are known."""
@@ -175,13 +175,16 @@ class Balancer:
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
                                        refining=self._refining)
             new, self._pending = outcome.shares, outcome.pending
+            fine = False
             if new is not None and new != self.shares:
-                self._fine_taken = False
-            elif self._pending is None and not self._fine_taken and (steady := self._bands.steady_speeds()):
+                if step > self.calibration_steps and not self._refining:
+                    self._fine_due = False  # a worker changed speed: this split comes from a whole window
+            elif self._pending is None and self._fine_due and (steady := self._bands.steady_speeds()):
                 new = S.fine_resplit(self.shares, steady, self.threshold)
-                self._fine_taken = new is not None
-            if new is not None and new != self.shares:
-                self._bands.reset()
+                fine = new is not None
+                self._fine_due = not fine
+            if new is not None and new != self.shares and not fine:
+                self._bands.reset()  # a fine move's sample or two leaves every rank's speed comparable
         decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)
         if self.world > 1:
             dist.broadcast(decided, src=0)

@@ -19,10 +19,11 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   instead of 43 + 21, the fast rank idle 15 % of every step).
 - ``fine_resplit(shares, steady_speeds, threshold)``: the shares in proportion to speeds measured
   over several windows in a row (``SpeedBands.steady_speeds``) when they predict a step at least
-  a quarter of ``threshold`` faster; else None. The balancer takes at most one such move between
-  two moves of ``decide_resplit``: so a split left a sample or two off by calibration's rounding
-  (measured: 22 + 42 where the solo speeds asked for 21 + 43; the rounding cost 6 % of every step) is put right once the
-  speeds have been steady for a while, and the fine move can never flip back and forth.
+  a quarter of ``threshold`` faster; else None. The balancer takes at most one such move, and
+  only before any rank changed speed: so a split left a sample or two off by calibration
+  (measured: 22 + 42 where the solo speeds asked for 21 + 43; the rounding cost 6 % of every
+  step) is put right once the speeds have been steady for a while, the fine move can never flip
+  back and forth, and settling after a change stays one move.
 - ``step_split(num_samples, global_batch, step, shares, drop_last)``: the global batch of
   ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
   takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch

@@ -18,7 +18,8 @@ Contract:
   rank has fewer than ``min_windows`` of them: a longer, steadier measurement than one window,
   for the balancer's fine adjustment (shares.fine_resplit).
 - ``reset()``: forget all histories (call it when the shares change: a rank's samples/s depends
-  on its batch size, so windows at other shares are not comparable).
+  on its batch size, so windows at other shares are not comparable; the balancer's fine move,
+  a sample or two, is the exception).
 - Deterministic: the same windows give the same answers. Not saved with a checkpoint: a resumed
   job may run on other nodes, whose speeds the old windows do not describe.
 """
