@@ -20,9 +20,10 @@ Contract:
   calibrated split with half the threshold; once, before any rank changed speed, speeds steady
   over several windows may move it by a quarter of the threshold, ``shares.fine_resplit``) and
   broadcasts the shares, which the next batch uses. Collective at those steps (every rank
-  calls ``after_step`` at every step: the prepared optimizer does). ``state_dict``/``load_state_dict``: shares, global batch, the re-split count
-  (``TrainState`` saves them, so a resumed job continues with the same split; the speed
-  windows are not saved: a resumed job may run on other nodes).
+  calls ``after_step`` at every step: the prepared optimizer does).
+  ``state_dict``/``load_state_dict``: shares, global batch, the re-split count (``TrainState``
+  saves them, so a resumed job continues with the same split; the speed windows are not saved:
+  a resumed job may run on other nodes, and may make the fine move once more).
 - ``BalancedLoader`` (``train.shard`` under ``balance: throughput``): the batches of this rank,
   ``shares.step_split`` of an epoch's order (a permutation from ``seed + epoch``, as
   ``DistributedSampler`` draws it), read at each step so that a re-split applies to the next

@@ -40,8 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Resplit", "decide_resplit", "fine_resplit", "proportional_shares", "remeasure_due", "step_split", "step_time",
-           "steps_per_epoch"]
+__all__ = ["Resplit", "decide_resplit", "fine_resplit", "proportional_shares", "remeasure_due", "step_split",
+           "step_time", "steps_per_epoch"]
 
 
 def proportional_shares(weights: Sequence[float], total: int, minimum: int = 1) -> tuple[int, ...]:
