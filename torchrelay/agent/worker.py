@@ -49,10 +49,8 @@ Output: when ``$RELAY_LOG_DIR`` is set, the script's stdout and stderr are pipes
 reads; it appends them, line by line in the order it read them, to one file
 ``$RELAY_LOG_DIR/rank-$RANK.log`` where each line starts with ``o `` (stdout) or ``e ``
 (stderr). One file keeps a traceback after the lines printed before it, which two files could
-not. Lines longer than 64 KiB are cut into pieces. An unterminated rest of one stream (a
-progress bar) is written as its own line when the other stream speaks, once it has waited half
-a second: a younger one is a line still being written in pieces, kept whole. Without
-``$RELAY_LOG_DIR`` the script inherits the supervisor's stdout and stderr.
+not. Lines longer than 64 KiB are cut into pieces. Without ``$RELAY_LOG_DIR`` the script
+inherits the supervisor's stdout and stderr.
 """
 from __future__ import annotations
 
@@ -168,40 +166,27 @@ def log_path(env=os.environ) -> str | None:
     return os.path.join(directory, f"rank-{env.get('RANK', '0')}.log")
 
 
-# How long a stream's unterminated rest waits before the other stream's output may write it as
-# a line of its own. Under PYTHONUNBUFFERED (the agent sets it) ``print("a", x)`` writes "a",
-# " ", str(x) and "\n" one by one, and the two pipes are read in either order: a younger rest
-# is most likely a line still being written, which must not be cut in two. An older one is
-# a progress bar or a prompt, shown where it was read, as a terminal would show it.
-PARTIAL_HOLD_S = 0.5
-
-
 class RankLog:
     """Appends tagged lines (``o `` stdout, ``e `` stderr) to a rank's log file."""
 
-    def __init__(self, path: str, clock=time.monotonic):
+    def __init__(self, path: str):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.partial = {"o": b"", "e": b""}
-        self._since = {"o": 0.0, "e": 0.0}  # when each stream's unterminated rest began
-        self._clock = clock
 
     def feed(self, tag: str, data: bytes) -> None:
         """Write the complete lines in ``partial + data``; keep the unterminated rest.
 
-        The other stream's unterminated rest is written first, as its own line, when it has
-        waited ``PARTIAL_HOLD_S`` (see there): output then stays in the order it was read.
+        The other stream's unterminated rest is written first, as its own line: output
+        stays in the order it was read, as a terminal would show it.
         """
-        now = self._clock()
         for other in self.partial:
-            if other != tag and now - self._since[other] >= PARTIAL_HOLD_S:
+            if other != tag:
                 self.end(other)
         lines = (self.partial[tag] + data).split(b"\n")
         rest = lines.pop()
         while len(rest) > MAX_LINE_BYTES:
             lines.append(rest[:MAX_LINE_BYTES])
             rest = rest[MAX_LINE_BYTES:]
-        if rest and (lines or not self.partial[tag]):
-            self._since[tag] = now  # a new unterminated rest
         self.partial[tag] = rest
         self._write(tag, lines)
 
