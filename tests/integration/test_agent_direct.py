@@ -61,11 +61,15 @@ import json, os, sys, time
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
         "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "RELAY_LAUNCH_ID", "RELAY_ATTEMPT",
         "JOB_VAR", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"]
-print(json.dumps({k: os.environ.get(k) for k in keys}))
-print("to stderr", file=sys.stderr)
+# one write per line: under PYTHONUNBUFFERED print() writes each argument and the newline
+# apart, and the supervisor writes one stream's unterminated rest as a line of its own when it
+# reads the other stream between the pieces (kept so: a line printed before a traceback stays
+# before it)
+sys.stdout.write(json.dumps({k: os.environ.get(k) for k in keys}) + "\\n")
+sys.stderr.write("to stderr\\n")
 with open(os.path.join(os.environ["RELAY_METRICS_DIR"], "rank-0.jsonl"), "a") as fh:
     fh.write(json.dumps({"step": 1, "time": time.time(), "values": {"loss": 0.5}}) + "\\n")
-print("main" if __name__ == "__main__" else __name__, sys.argv[1:])
+sys.stdout.write(f"{'main' if __name__ == '__main__' else __name__} {sys.argv[1:]}\\n")
 """
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from torchrelay.client.sdk import RelayClient
 from torchrelay.spec import JobSpec
 with RelayClient(sys.argv[1]) as c:
+    c.wait_for_nodes(2, timeout=60)  # the server refuses a 2-node job while only one agent has registered
     spec = JobSpec.parse({"name": "mpi-hosts", "entrypoint": "python hello_mpi.py", "nodes": 2,
                           "workers_per_node": 1, "launcher": "mpirun"})
     info = c.submit(spec, base_dir=Path(sys.argv[2]))
