@@ -1,18 +1,22 @@
 """glibc's mmap threshold under ``fsdp``: what each setting costs a step and what it saves in resident memory.
 
-On CPU workers ``fsdp``'s ``prepare`` fixes glibc's mmap threshold at 1 MiB
+On CPU workers ``fsdp``'s ``prepare`` fixes glibc's mmap threshold
 (``torchrelay/train/allocator.py``): buffers above it are ``mmap``ed and go back to the kernel
 when freed, which keeps a sharded job's resident memory down, and every step then faults
 those pages in afresh. This bench weighs the two, side by side in one run, for each setting:
 
 - ``glibc``: glibc's defaults, a dynamic threshold (``RELAY_MALLOC_TUNE=0``);
-- ``1``, ``2``, ``4``, ``8``: a fixed threshold of that many MiB (``1`` is what ``fsdp`` ships);
+- ``1``, ``2``, ``4``, ``8``: a fixed threshold of that many MiB (``1`` is what ``fsdp`` shipped
+  before the threshold followed the shards);
+- ``shards``: what ``fsdp`` ships: 1 MiB while sharding, then the smallest unit's shard of at
+  least 1 MiB (the char LM on 2 ranks: 1.5 MiB; 16 × Linear(2048): 8 MiB; 64 × Linear(1024): 2 MiB);
 - ``ddp``: a ``ddp`` job as it ships (glibc's defaults), the baseline.
 
 Each (setting, model) is its own launch of 2 gloo ranks, because the threshold is process-wide
 and glibc's dynamic threshold cannot be restored in a process once it has been fixed. The bench
-sets the threshold by replacing ``allocator.RETURNED_MMAP_THRESHOLD_BYTES`` in each worker before
-``prepare`` reads it; there is no user-facing knob beyond ``RELAY_MALLOC_TUNE``.
+fixes a threshold by replacing ``allocator.RETURNED_MMAP_THRESHOLD_BYTES`` and
+``allocator.shard_threshold_bytes`` in each worker before ``prepare`` calls them; there is no
+user-facing knob beyond ``RELAY_MALLOC_TUNE``.
 
 - **Step**: the char LM of bench/sharded.py (4 blocks of d_model 256, 16 windows of 64
   characters per rank), median of ``--steps`` steps after one untimed step; ``--rounds`` launches
@@ -41,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import TRAINING_PACKAGES, header_line, package_versions, result_line  # noqa: E402
 from _ranks import free_port, run_owned  # noqa: E402
 
-SETTINGS = ("glibc", "1", "2", "4", "8", "ddp")
+SETTINGS = ("glibc", "1", "2", "4", "8", "shards", "ddp")
 MEMORY_MODELS = {"linear2048x16": (2048, 16), "linear1024x64": (1024, 64)}
 
 
@@ -56,9 +60,13 @@ def apply_setting(setting: str) -> None:
     if setting in ("glibc", "ddp"):
         os.environ["RELAY_MALLOC_TUNE"] = "0"
         return
+    if setting == "shards":  # as fsdp ships
+        return
     from torchrelay.train import allocator
 
-    allocator.RETURNED_MMAP_THRESHOLD_BYTES = int(float(setting) * 2**20)
+    fixed = int(float(setting) * 2**20)
+    allocator.RETURNED_MMAP_THRESHOLD_BYTES = fixed
+    allocator.shard_threshold_bytes = lambda _unit_shard_bytes: fixed
 
 
 def worker(part: str, setting: str, rank: int, port: int, out: str, steps: int) -> None:
@@ -96,8 +104,12 @@ def worker(part: str, setting: str, rank: int, port: int, out: str, steps: int) 
     times = [timed_step(model, optimizer, rows, loss_of) for _ in range(steps)]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    from torchrelay.train import allocator
+
+    threshold = allocator.returned_threshold_bytes()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(
-        {"step_s": statistics.median(times), "faults_per_step": faults / steps, "peak_rss_mib": peak_rss_mib}))
+        {"step_s": statistics.median(times), "faults_per_step": faults / steps, "peak_rss_mib": peak_rss_mib,
+         "threshold_mib": None if threshold is None else round(threshold / 2**20, 3)}))
     rt.shutdown()
 
 
@@ -126,17 +138,23 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {}
     for part in MEMORY_MODELS:
         for setting in SETTINGS:
-            peak = max(r["peak_rss_mib"] for r in launch(part, setting, args.steps))
+            ranks = launch(part, setting, args.steps)
+            peak = max(r["peak_rss_mib"] for r in ranks)
             result[f"rss_mib_{part}_{setting}"] = round(peak)
-            print(f"memory {part:<14} {setting:>5}: peak resident {peak:7.0f} MiB per rank", flush=True)
+            if setting == "shards":
+                result[f"threshold_mib_{part}"] = ranks[0]["threshold_mib"]
+            print(f"memory {part:<14} {setting:>6}: peak resident {peak:7.0f} MiB per rank "
+                  f"(threshold {ranks[0]['threshold_mib']} MiB)", flush=True)
     medians: dict[str, list[float]] = {s: [] for s in SETTINGS}
     faults: dict[str, list[float]] = {s: [] for s in SETTINGS}
     for round_ in range(args.rounds):
         for setting in rotated(SETTINGS, round_):
             rank0 = launch("step", setting, args.steps)[0]
+            if setting == "shards":
+                result["threshold_mib_charlm"] = rank0["threshold_mib"]
             medians[setting].append(rank0["step_s"])
             faults[setting].append(rank0["faults_per_step"])
-            print(f"step round {round_} {setting:>5}: {rank0['step_s'] * 1e3:7.0f} ms, "
+            print(f"step round {round_} {setting:>6}: {rank0['step_s'] * 1e3:7.0f} ms, "
                   f"{rank0['faults_per_step']:8.0f} page faults per step", flush=True)
     ddp = statistics.median(medians["ddp"])
     for setting in SETTINGS:
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         result[f"step_vs_ddp_{setting}"] = round(step / ddp, 4)
         result[f"faults_per_step_{setting}"] = round(statistics.median(faults[setting]))
         rss = "  ".join(f"{part} {result[f'rss_mib_{part}_{setting}']:5d} MiB" for part in MEMORY_MODELS)
-        print(f"{setting:>5}: char LM step {step * 1e3:7.0f} ms ({step / ddp:.3f} of ddp)   peak resident: {rss}")
+        print(f"{setting:>6}: char LM step {step * 1e3:7.0f} ms ({step / ddp:.3f} of ddp)   peak resident: {rss}")
     result["load_average"] = round(os.getloadavg()[0], 2)
     print(result_line(result, versions))
 

@@ -335,6 +335,16 @@ def scenario_bf16(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_threshold(rank: int, world: int) -> dict:
+    """On CPU, prepare leaves glibc's mmap threshold at the smallest unit's shard of at least 1 MiB."""
+    from torchrelay.spec import FSDPStrategy
+    from torchrelay.train import allocator, sharded
+
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Linear(1024, 8))
+    sharded.prepare(model, torch.optim.Adam(model.parameters(), lr=LR), FSDPStrategy(kind="fsdp"), rt_context())
+    return {"threshold": allocator.returned_threshold_bytes()}
+
+
 def rt_context():
     import torchrelay.train as rt
 
@@ -357,6 +367,7 @@ def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> Non
         result["pipe_tp"] = scenario_pipeline_tensor_parallel(rank, world)
     else:
         result["bf16"] = scenario_bf16(rank, world)
+        result["threshold"] = scenario_threshold(rank, world)
     rt.shutdown()
     Path(out_dir, f"{scenario}-{rank}.json").write_text(json.dumps(result))
 
@@ -438,6 +449,12 @@ def test_bf16_mixed_precision_on_cpu(launched: dict) -> None:
     # bf16 forward and backward, float32 reduce and Adam: near the float32 run, not equal (Adam's first steps turn
     # bf16's rounding of small gradients into whole learning-rate steps: seen 0.14 apart at most)
     assert results[0]["relative_diff"] < 0.05, results[0]
+
+
+def test_cpu_mmap_threshold_follows_the_smallest_large_shard(launched: dict) -> None:
+    # Linear(1024, 1024)'s weight and bias on 2 ranks: (1024 × 1024 + 1024) × 4 / 2 bytes; Linear(1024, 8)'s
+    # 16 KiB shard is below the 1 MiB floor and leaves no mark
+    assert [r["threshold"]["threshold"] for r in launched[2]] == [2_099_200, 2_099_200]
 
 
 if __name__ == "__main__":

@@ -17,17 +17,22 @@ tcmalloc (``torch.backends.xeon.run_cpu``), which a job cannot assume is install
 ``mallopt`` is glibc's own switch for the same thing, and the environment variables it
 reads at start-up (``MALLOC_TRIM_THRESHOLD_``) come too late for a process already running.
 
-``return_large_allocations()`` is the opposite choice, for sharded training (``fsdp``), where
-memory is the point: it fixes the mmap threshold at 1 MiB, so every buffer above that (FSDP's
-gathered units, its reduce-scatter buffers, freed whole-model tensors after sharding) is
-``mmap``ed and goes back to the kernel when freed. With glibc's default *dynamic* threshold the
+``return_large_allocations(threshold_bytes=1 MiB)`` is the opposite choice, for sharded training
+(``fsdp``), where memory is the point: it fixes the mmap threshold, so every buffer at or above it
+(FSDP's gathered units, its reduce-scatter buffers, freed whole-model tensors after sharding) is
+``mmap``ed and goes back to the kernel when freed. ``prepare`` sets 1 MiB before it shards, then
+``shard_threshold_bytes`` of the units it made: the smallest per-rank shard of a unit that is at
+least 1 MiB, at most glibc's 32 MiB. With glibc's default *dynamic* threshold the
 first freed 16 MiB buffer raises the threshold above it, later ones come from the heap, and the
 heap fragments: measured here, 16 × Linear(2048, 2048) with Adam on 2 fsdp ranks grew to
 2,052 MiB resident per rank over three steps, and stayed at 894 MiB with the fixed threshold.
 The price is step time: buffers above 1 MiB are faulted in afresh every step (the char LM's
 fsdp step, 1.27–1.35 of a ddp job's against 1.12–1.19 under glibc's defaults); ``bench/allocator.py``
-weighs each threshold's step time against its resident memory (docs/strategies.md).
-Same rules: process-wide, idempotent, True when it took, ``RELAY_MALLOC_TUNE=0`` turns it off.
+weighs each threshold's step time against its resident memory (docs/strategies.md): the heap
+stays unfragmented while the threshold is no larger than a unit's shard, and every buffer below it
+(activations, the optimizer's temporaries) is reused instead of faulted in, hence a threshold
+derived from the shards. Process-wide; the last call's threshold holds; True when it took,
+``RELAY_MALLOC_TUNE=0`` turns it off (every call then returns False and sets nothing).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: ≈ never trim
 RETURNED_MMAP_THRESHOLD_BYTES = 1 << 20
 
 _applied: bool | None = None
-_returning: bool | None = None
+_returning: tuple[int, bool] | None = None  # (threshold, took)
 
 
 def _mallopt():  # noqa: ANN202 - the C function, or None where the C library is not glibc
@@ -73,10 +78,29 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-def return_large_allocations() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB for sharded training (see module docstring). Idempotent."""
+def shard_threshold_bytes(unit_shard_bytes: list[int]) -> int:
+    """The mmap threshold for sharded training whose units hold ``unit_shard_bytes`` on this rank:
+    the smallest of them that is at least ``RETURNED_MMAP_THRESHOLD_BYTES`` (units below it, such
+    as an embedding or a norm, leave no mark), clamped to glibc's maximum; that floor when none
+    is. Pure."""
+    large = [size for size in unit_shard_bytes if size >= RETURNED_MMAP_THRESHOLD_BYTES]
+    return min(min(large, default=RETURNED_MMAP_THRESHOLD_BYTES), MMAP_THRESHOLD_BYTES)
+
+
+def return_large_allocations(threshold_bytes: int | None = None) -> bool:
+    """Fix glibc's mmap threshold at ``threshold_bytes`` (default ``RETURNED_MMAP_THRESHOLD_BYTES``,
+    1 MiB) for sharded training (see module docstring). Idempotent for the same threshold; a later
+    call with another moves it. Raises ValueError outside 1 byte .. glibc's 32 MiB."""
     global _returning
-    if _returning is None:
+    threshold = RETURNED_MMAP_THRESHOLD_BYTES if threshold_bytes is None else threshold_bytes
+    if not 0 < threshold <= MMAP_THRESHOLD_BYTES:
+        raise ValueError(f"mmap threshold {threshold} bytes: glibc takes 1 to {MMAP_THRESHOLD_BYTES} bytes")
+    if _returning is None or _returning[0] != threshold:
         mallopt = _mallopt()
-        _returning = mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, RETURNED_MMAP_THRESHOLD_BYTES))
-    return _returning
+        _returning = (threshold, mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, threshold)))
+    return _returning[1]
+
+
+def returned_threshold_bytes() -> int | None:
+    """The threshold ``return_large_allocations`` last set, or None when it set none. Pure read."""
+    return _returning[0] if _returning is not None and _returning[1] else None

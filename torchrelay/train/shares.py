@@ -86,6 +86,19 @@ def _same_direction(a: Sequence[int], b: Sequence[int], shares: Sequence[int]) -
     return all((x > s) == (y > s) and (x < s) == (y < s) for x, y, s in zip(a, b, shares))
 
 
+def _proportional_proposal(shares: Sequence[int], speeds: Sequence[float]) -> tuple[tuple[int, ...], float] | None:
+    """(the split in proportion to ``speeds``, its predicted gain in step time over ``shares``), or
+    None when it is ``shares`` itself or a rank has no speed. Raises ``ValueError`` when the lengths differ."""
+    if len(shares) != len(speeds):
+        raise ValueError(f"{len(shares)} shares but {len(speeds)} speeds; give one speed per rank")
+    if any(s <= 0 or not math.isfinite(s) for s in speeds):
+        return None
+    proposed = proportional_shares(speeds, sum(shares))
+    if proposed == tuple(shares):
+        return None
+    return proposed, 1.0 - step_time(proposed, speeds) / step_time(shares, speeds)
+
+
 def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float,
                    pending: Sequence[int] | None = None, changed: bool = False, refining: bool = False) -> Resplit:
     """Compare the split with ``speeds`` (samples/s of each rank over the last window).
@@ -97,14 +110,10 @@ def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: fl
     rank's speed left its own band two windows in a row (``SpeedBands.observe``); below
     ``threshold``, never. ``refining`` (the first comparison after calibration): at least half
     ``threshold`` faster, at once. A rank without a measured speed (0) keeps the split as it is."""
-    if len(shares) != len(speeds):
-        raise ValueError(f"{len(shares)} shares but {len(speeds)} speeds; give one speed per rank")
-    if any(s <= 0 or not math.isfinite(s) for s in speeds):
+    proposal = _proportional_proposal(shares, speeds)
+    if proposal is None:
         return Resplit()
-    proposed = proportional_shares(speeds, sum(shares))
-    if proposed == tuple(shares):
-        return Resplit()
-    gain = 1.0 - step_time(proposed, speeds) / step_time(shares, speeds)
+    proposed, gain = proposal
     if refining and gain >= threshold / 2:
         return Resplit(shares=proposed)
     if gain < threshold:
@@ -121,15 +130,8 @@ def fine_resplit(shares: Sequence[int], steady_speeds: Sequence[float], threshol
     """The shares in proportion to ``steady_speeds`` when they predict a step at least
     ``FINE_FRACTION × threshold`` faster than ``shares``; else None (also for a rank without a
     speed). Raises ``ValueError`` when the lengths differ."""
-    if len(shares) != len(steady_speeds):
-        raise ValueError(f"{len(shares)} shares but {len(steady_speeds)} speeds; give one speed per rank")
-    if any(s <= 0 or not math.isfinite(s) for s in steady_speeds):
-        return None
-    proposed = proportional_shares(steady_speeds, sum(shares))
-    if proposed == tuple(shares):
-        return None
-    gain = 1.0 - step_time(proposed, steady_speeds) / step_time(shares, steady_speeds)
-    return proposed if gain >= FINE_FRACTION * threshold else None
+    proposal = _proportional_proposal(shares, steady_speeds)
+    return proposal[0] if proposal is not None and proposal[1] >= FINE_FRACTION * threshold else None
 
 
 def remeasure_due(step: int, every: int, calibration_steps: int) -> bool:

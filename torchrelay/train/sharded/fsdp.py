@@ -13,6 +13,8 @@ Contract:
   is not applied.
 - ``largest_unit_bytes(model, units)``: the most bytes any one unit (or the root's own
   parameters) gathers at once, for the memory figures.
+- ``unit_shard_bytes(model, units)``: the bytes of each unit's shard on this rank (the root's
+  own parameters last), after ``apply_fsdp``; ``prepare`` derives glibc's mmap threshold from them.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchrelay.train.memory_meter import local_bytes
 from torchrelay.train.sharded.config import FSDPConfig, mixed_precision_dtypes
 from torchrelay.train.sharded.units import find_units
 
-__all__ = ["apply_fsdp", "largest_unit_bytes"]
+__all__ = ["apply_fsdp", "largest_unit_bytes", "unit_shard_bytes"]
 
 
 def _bytes(params: Any) -> int:
@@ -36,6 +39,13 @@ def largest_unit_bytes(model: nn.Module, units: list[str]) -> int:
     in_units = {id(p) for u in units for p in model.get_submodule(u).parameters()}
     root = _bytes(p for p in model.parameters() if id(p) not in in_units)
     return max([root, *(_bytes(model.get_submodule(u).parameters()) for u in units)])
+
+
+def unit_shard_bytes(model: nn.Module, units: list[str]) -> list[int]:
+    """Bytes of each unit's parameters on this rank (DTensors count their local shard), then the root's own."""
+    in_units = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+    return [*(local_bytes(model.get_submodule(u).parameters()) for u in units),
+            local_bytes(p for p in model.parameters() if id(p) not in in_units)]
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig, device_type: str) -> tuple[list[str], list[str]]:

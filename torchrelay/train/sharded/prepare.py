@@ -3,7 +3,8 @@
 1. the mesh: ``dp × tp`` over the job's ranks (layout.py), built with ``init_device_mesh``;
 2. rank 0's parameters and buffers broadcast (replicas start equal, as under DDP);
 3. tensor parallel on the ``tp`` dimension (``apply_tensor_parallel``), when ``tensor_parallel > 1``;
-4. FSDP on the ``dp`` dimension (``apply_fsdp``);
+4. FSDP on the ``dp`` dimension (``apply_fsdp``); on CPU workers glibc's mmap threshold, 1 MiB
+   while the model is sharded, then the smallest unit's shard (allocator.py);
 5. the optimizer pointed at the shards (optimizer.py), the memory meter attached, and what
    this rank holds gathered to rank 0, printed and saved as the artifact ``sharded-layout.json``
    (``relay status`` shows it).
@@ -25,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from torchrelay.errors import InvalidSpec
-from torchrelay.train.allocator import return_large_allocations
+from torchrelay.train import allocator
 from torchrelay.train.memory_meter import MemoryMeter, local_bytes
 from torchrelay.train.sharded.config import configs_of
-from torchrelay.train.sharded.fsdp import apply_fsdp, largest_unit_bytes
+from torchrelay.train.sharded.fsdp import apply_fsdp, largest_unit_bytes, unit_shard_bytes
 from torchrelay.train.sharded.layout import Holding, MeshShape, layout_dict, mesh_shape
 from torchrelay.train.sharded.module import ShardedModule
 from torchrelay.train.sharded.optimizer import ShardedOptimizer, parameter_names, rebuild_optimizer
@@ -56,8 +57,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any,
     if any(p.device.type == "meta" for p in model.parameters()):
         raise InvalidSpec("fsdp: the model is on the meta device; build it on the CPU before prepare(), or use "
                           "the pipeline with data_parallel: fsdp, which materialises meta blocks one at a time")
-    if device.type == "cpu":
-        return_large_allocations()  # freed buffers go back to the kernel (allocator.py: measured)
+    if device.type == "cpu":  # freed buffers go back to the kernel (allocator.py: measured)
+        allocator.return_large_allocations()
     model = model.to(device)
     if ctx.world_size > 1:
         # tensor by tensor, not flattened into one buffer as train.sync does: a flat copy of the whole
@@ -70,6 +71,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any,
     if shape.tp > 1:
         tp_modules = apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, shape.tp))
     units, notes = apply_fsdp(model, mesh["dp"], fsdp_config, device.type)
+    if device.type == "cpu":  # buffers below the units' shards are reused, not faulted in (allocator.py)
+        allocator.return_large_allocations(allocator.shard_threshold_bytes(unit_shard_bytes(model, units)))
     gathered = largest_unit_bytes(model, units) // max(1, shape.tp) if shape.dp > 1 else 0
     inner = rebuild_optimizer(optimizer, names, model)
     meter = MemoryMeter(model, inner, gathered_bytes=gathered)
