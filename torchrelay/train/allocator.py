@@ -26,8 +26,9 @@ least 1 MiB, at most glibc's 32 MiB. With glibc's default *dynamic* threshold th
 first freed 16 MiB buffer raises the threshold above it, later ones come from the heap, and the
 heap fragments: measured here, 16 × Linear(2048, 2048) with Adam on 2 fsdp ranks grew to
 2,052 MiB resident per rank over three steps, and stayed at 894 MiB with the fixed threshold.
-The price is step time: buffers above 1 MiB are faulted in afresh every step (the char LM's
-fsdp step, 1.27–1.35 of a ddp job's against 1.12–1.19 under glibc's defaults); ``bench/allocator.py``
+The price is step time: buffers above the threshold are faulted in afresh every step (at 1 MiB
+the char LM's fsdp step was 1.27–1.35 of a ddp job's against 1.12–1.19 under glibc's defaults;
+on a faster CPU 1.83, and 1.56 with the shards' 1.5 MiB); ``bench/allocator.py``
 weighs each threshold's step time against its resident memory (docs/strategies.md): the heap
 stays unfragmented while the threshold is no larger than a unit's shard, and every buffer below it
 (activations, the optimizer's temporaries) is reused instead of faulted in, hence a threshold
