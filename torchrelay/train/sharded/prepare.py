@@ -4,7 +4,7 @@
 2. rank 0's parameters and buffers broadcast (replicas start equal, as under DDP);
 3. tensor parallel on the ``tp`` dimension (``apply_tensor_parallel``), when ``tensor_parallel > 1``;
 4. FSDP on the ``dp`` dimension (``apply_fsdp``); on CPU workers glibc's mmap threshold, 1 MiB
-   while the model is sharded, then the smallest unit's shard (allocator.py);
+   while the model is sharded, then the smallest unit shard of at least 1 MiB (allocator.py);
 5. the optimizer pointed at the shards (optimizer.py), the memory meter attached, and what
    this rank holds gathered to rank 0, printed and saved as the artifact ``sharded-layout.json``
    (``relay status`` shows it).
