@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 # Debian packages of the services the tests start (Ceph, PostgreSQL, Slurm); a no-op when present.
-# The fixtures install them too when missing; CI runs this first so no test pays for it.
+# The fixtures install each one too when missing (tests/services/apt.py); CI runs this first so no test pays for it.
 services:
 	-bash tests/services/install.sh
 

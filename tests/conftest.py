@@ -170,8 +170,11 @@ def browser_context(tmp_path_factory):
     Playwright's sync API keeps an asyncio loop running in the main thread while it lives, and a
     later test's ``asyncio.run`` then refuses to start."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing (Debian's chromium package; `make services` installs it)")
+    from services.apt import ensure
+
+    reason = ensure(["chromium"], CHROMIUM.exists, f"Chromium ({CHROMIUM})")
+    if reason:
+        pytest.skip(reason)
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_api.sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(

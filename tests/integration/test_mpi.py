@@ -5,7 +5,6 @@ whose remote shell hands node 1's daemon to node 1's agent through the server (d
 """
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -16,11 +15,19 @@ from torchrelay.client.sdk import RelayClient
 from torchrelay.spec import JobSpec, JobState
 from torchrelay.wire import MPIRUN_LABEL
 
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("orted") is None,
-                                 reason="Open MPI's mpirun/orted are not installed (Debian: openmpi-bin)")]
+pytestmark = pytest.mark.timeout(240)
 mpi4py = pytest.importorskip("mpi4py", reason="mpi4py is in the channels extra (make venv)")
 JOBS = Path(__file__).resolve().parents[1] / "jobs" / "mpi"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def open_mpi() -> None:
+    """Open MPI here (installed when missing), or every test of this file skips with the reason."""
+    from services.apt import open_mpi_unavailable
+
+    reason = open_mpi_unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
 def mpi_spec(entrypoint: str, **extra) -> JobSpec:

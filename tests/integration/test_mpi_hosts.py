@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,10 +17,19 @@ from tests.logins import login_as_admin as _login_as_admin
 from tests.hosts import TestHosts
 
 pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(TestHosts.unavailable() is not None, reason=TestHosts.unavailable() or ""),
-              pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (openmpi-bin)")]
+              pytest.mark.skipif(TestHosts.unavailable() is not None, reason=TestHosts.unavailable() or "")]
 pytest.importorskip("mpi4py", reason="mpi4py is in the channels extra (make venv)")
 JOBS = Path(__file__).resolve().parents[1] / "jobs" / "mpi"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def open_mpi() -> None:
+    """Open MPI here (installed when missing), or the test skips with the reason."""
+    from tests.services.apt import open_mpi_unavailable
+
+    reason = open_mpi_unavailable()
+    if reason:
+        pytest.skip(reason)
 
 SUBMIT = r"""
 import json, sys

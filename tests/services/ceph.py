@@ -40,6 +40,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from .apt import ensure
 from .ports import free_ports
 
 __all__ = ["CephCluster"]
@@ -55,17 +56,6 @@ def _missing_tools() -> list[str]:
     return [tool for tool in TOOLS if shutil.which(tool) is None]
 
 
-def _install_packages() -> str | None:
-    """None once the packages are installed; else apt-get's reason. Runs ``apt-get update`` only if needed."""
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    command = ["apt-get", "install", "-y", "-q", *PACKAGES]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-    return None if done.returncode == 0 else done.stderr.strip()[-300:]
-
-
 class CephCluster:
     """One Ceph cluster with an S3 gateway; see the module docstring."""
 
@@ -78,13 +68,7 @@ class CephCluster:
             import botocore  # noqa: F401
         except ImportError:
             return "botocore is not installed (`pip install -e '.[s3]'`)"
-        if _missing_tools():
-            if os.geteuid() != 0 or shutil.which("apt-get") is None:
-                return "Ceph is not installed and cannot be (needs root and apt-get)"
-            reason = _install_packages()
-            if _missing_tools():
-                return f"apt-get install {' '.join(PACKAGES)} failed: {reason}"
-        return None
+        return ensure(PACKAGES, lambda: not _missing_tools(), "Ceph")
 
     @staticmethod
     def cephfs_unavailable() -> str | None:

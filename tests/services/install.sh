@@ -6,7 +6,10 @@ set -u
 packages=(ceph-mon ceph-osd radosgw ceph-mds ceph-fuse postgresql slurmctld slurmd slurm-client munge chromium
           rabbitmq-server openmpi-bin libopenmpi-dev iproute2)
 missing=()
-for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# installed, not merely known: a removed package keeps its configuration ("rc") and dpkg -s still succeeds
+for p in "${packages[@]}"; do
+  [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == "install ok installed" ]] || missing+=("$p")
+done
 ((${#missing[@]})) || exit 0
 if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
   echo "not installing ${missing[*]}: needs root and apt-get (their tests will skip)"; exit 0

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .apt import ensure
 from .ports import free_port
 
 __all__ = ["PostgresServer"]
@@ -41,18 +42,9 @@ class PostgresServer:
             import psycopg  # noqa: F401
         except ImportError:
             return "psycopg is not installed (`pip install -e '.[postgres]'`)"
-        if _bin_dir() is None:
-            if os.geteuid() != 0 or shutil.which("apt-get") is None:
-                return "PostgreSQL is not installed and cannot be (needs root and apt-get)"
-            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            done = subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env,
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-                done = subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env,
-                                      capture_output=True, text=True)
-            if _bin_dir() is None:
-                return f"apt-get install postgresql failed: {done.stderr.strip()[-300:]}"
+        reason = ensure(["postgresql"], lambda: _bin_dir() is not None, "PostgreSQL")
+        if reason:
+            return reason
         if os.geteuid() == 0:
             try:
                 pwd.getpwnam("postgres")

@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .apt import ensure
 from .ports import free_ports
 
 __all__ = ["RabbitMQ"]
@@ -40,11 +41,8 @@ class RabbitMQ:
             import pika  # noqa: F401
         except ImportError:
             return "pika is not installed (the channels extra: make venv)"
-        if shutil.which(_server_binary()) is None:
-            return "rabbitmq-server is not installed (Debian: rabbitmq-server; make services)"
-        if shutil.which("epmd") is None:
-            return "Erlang's epmd is not installed (it comes with rabbitmq-server)"
-        return None
+        return ensure(["rabbitmq-server"], lambda: shutil.which(_server_binary()) is not None
+                      and shutil.which("epmd") is not None, "RabbitMQ (rabbitmq-server and Erlang's epmd)")
 
     def __init__(self, root: Path):
         self.root = Path(root)

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .apt import ensure
 from .ports import free_ports
 
 __all__ = ["SlurmCluster"]
@@ -30,6 +31,11 @@ __all__ = ["SlurmCluster"]
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 64  # declared, not real (config_overrides): room for many small jobs at once
+
+
+def _missing_daemons() -> list[str]:
+    return [p for p in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(p) is None
+            and not Path(f"/usr/sbin/{p}").exists()]
 
 
 class SlurmCluster:
@@ -42,17 +48,7 @@ class SlurmCluster:
         """None when a cluster can start here; else why not. Installs the packages when missing."""
         if os.geteuid() != 0:
             return "the test Slurm cluster runs its daemons as root (SlurmUser=root); not root here"
-        missing = [p for p in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(p) is None
-                   and not Path(f"/usr/sbin/{p}").exists()]
-        if missing:
-            if shutil.which("apt-get") is None:
-                return f"Slurm is not installed ({', '.join(missing)} missing) and apt-get is not here"
-            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, capture_output=True,
-                                  text=True)
-            if done.returncode != 0:
-                return f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-300:]}"
-        return None
+        return ensure(PACKAGES, lambda: not _missing_daemons(), "Slurm")
 
     def __init__(self, nodes: tuple[str, str] = NODES) -> None:
         self.nodes = nodes
