@@ -1,6 +1,7 @@
 """A private RabbitMQ node for the tests: its own node name, data folder, cookie and ports.
 
-Not a test module. ``RabbitMQ.unavailable()`` says why one cannot run here (a skip reason).
+Not a test module. ``RabbitMQ.unavailable()`` installs Debian's rabbitmq-server when missing (root;
+tests/services/apt.py), then says why one cannot run here (a skip reason), or None.
 ``RabbitMQ(root)`` prepares a node under ``root``: node name ``relay-<random>@localhost``,
 ``RABBITMQ_MNESIA_BASE``/logs/config in ``root``, ``HOME`` in ``root`` (so its own Erlang
 cookie), AMQP on 127.0.0.1 and a port picked free, Erlang distribution on 127.0.0.1 only with
