@@ -34,18 +34,22 @@ def _bytes(params: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _root_own_parameters(model: nn.Module, units: list[str]) -> list[nn.Parameter]:
+    """The parameters no unit holds: what the root's own ``fully_shard`` gathers."""
+    in_units = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+    return [p for p in model.parameters() if id(p) not in in_units]
+
+
 def largest_unit_bytes(model: nn.Module, units: list[str]) -> int:
     """Bytes of the largest gathered unit (full sizes: a DTensor counts its global shape)."""
-    in_units = {id(p) for u in units for p in model.get_submodule(u).parameters()}
-    root = _bytes(p for p in model.parameters() if id(p) not in in_units)
+    root = _bytes(_root_own_parameters(model, units))
     return max([root, *(_bytes(model.get_submodule(u).parameters()) for u in units)])
 
 
 def unit_shard_bytes(model: nn.Module, units: list[str]) -> list[int]:
     """Bytes of each unit's parameters on this rank (DTensors count their local shard), then the root's own."""
-    in_units = {id(p) for u in units for p in model.get_submodule(u).parameters()}
     return [*(local_bytes(model.get_submodule(u).parameters()) for u in units),
-            local_bytes(p for p in model.parameters() if id(p) not in in_units)]
+            local_bytes(_root_own_parameters(model, units))]
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig, device_type: str) -> tuple[list[str], list[str]]:
