@@ -62,15 +62,15 @@ def test_pipelined_step_matches_unsplit_model(tmp_path):
     # a close call between two cuts was measured, and the plan says which it kept
     refined = cases["mlp5-lean-1f1b-auto"][0]["plan"]
     # Which neighbours fall within the tolerance depends on the profile's timings (noisy on a
-    # shared machine: [2]|[3] one run, [3]|[4] another); what must hold is that at least two
-    # cuts were timed, and that the plan kept the one measured fastest.
+    # shared machine: [2]|[3] one run, [3]|[4] another), and so is which of them times fastest
+    # (CI once kept [4]); what must hold is that at least two cuts were timed, and that the
+    # plan kept the one measured fastest.
     notes = [n for n in refined["notes"] if "measured as whole stages" in n]
     assert notes, refined["notes"]
     timed = {int(cut): float(ms) for cut, ms in re.findall(r"\[(\d+)\] ([\d.]+) ms", notes[0])}
     assert len(timed) >= 2, notes
     kept = refined["stages"][1]["blocks"][0]
     assert f"chose [{kept}]" in notes[0] and timed[kept] == min(timed.values()), notes
-    assert kept in (2, 3)
     errors = results[0]["errors"]
     assert errors["stages"].startswith("InvalidSpec") and "stages=3" in errors["stages"] \
         and "has 2" in errors["stages"]
