@@ -217,8 +217,10 @@ def test_balanced_shares_view_follows_the_ranks_reports(dash, browser_context):
         page.goto(f"{base}/?token={c.token}#/jobs/{job_id}")
         page.wait_for_selector('#balanced-shares tr[data-rank="1"]', timeout=90_000)
         # the re-split (step 5) arrives through the stream: the page is not reloaded
-        page.wait_for_function("document.querySelector('#balanced-shares tr[data-rank=\"1\"] [data-share]')"
-                               "?.dataset.share === '43'", timeout=60_000)
+        # (each rank's report may come in a different batch of the stream: wait for both)
+        page.wait_for_function("['85', '43'].every((share, rank) => document.querySelector("
+                               "`#balanced-shares tr[data-rank=\"${rank}\"] [data-share]`)?.dataset.share === share)",
+                               timeout=60_000)
         row0 = page.inner_text('#balanced-shares tr[data-rank="0"]')
         row1 = page.inner_text('#balanced-shares tr[data-rank="1"]')
         assert "85" in row0 and "66.4%" in row0 and "4200" in row0 and "3%" in row0, row0

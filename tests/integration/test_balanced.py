@@ -199,8 +199,9 @@ def scenario_resume(rank: int, x, y, out_dir: str) -> dict:
 
 
 def scenario_idle(rank: int, x, y) -> dict:
-    """Plain DDP and local SGD (no balancing): rank 1 spends 40 ms more per step before its
-    backward; each rank's idle seconds in the all-reduce over 8 steps (after the first)."""
+    """Plain DDP and local SGD (no balancing): rank 1 spends 100 ms more per step before its
+    backward (asleep: a spin would take one of this machine's two cores from the rank that is
+    measuring its wait); each rank's idle seconds in the all-reduce over 8 steps (after the first)."""
     import time
 
     import torch.nn.functional as F
@@ -215,9 +216,7 @@ def scenario_idle(rank: int, x, y) -> dict:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x[:32]), y[:32])
             if rank == 1:
-                until = time.perf_counter() + 0.04
-                while time.perf_counter() < until:
-                    pass
+                time.sleep(0.1)
             loss.backward()
             optimizer.step()
             metrics = optimizer.metrics()
@@ -349,9 +348,9 @@ def test_kill_and_resume_mid_epoch_gives_the_same_parameters(ranks):
 
 @pytest.mark.parametrize("strategy", ["ddp", "local_sgd"])
 def test_idle_time_in_the_allreduce_is_reported_for_plain_data_parallel(ranks, strategy):
-    """The rank that waits for a slower peer reports the wait: about 40 ms a step over 8 steps."""
+    """The rank that waits for a slower peer reports the wait: about 100 ms a step over 8 steps."""
     fast, slow = (r["idle"][strategy] for r in ranks)
-    assert fast["idle_s"] > slow["idle_s"] + 8 * 0.02
+    assert fast["idle_s"] > slow["idle_s"] + 8 * 0.05, (fast, slow)
     assert all(0.0 <= f <= 1.0 for f in fast["fractions"] + slow["fractions"])
 
 

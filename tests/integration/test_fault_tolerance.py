@@ -213,7 +213,7 @@ def test_hung_worker_is_detected_and_restarted(cluster_factory, reference_model,
     the server's progress check (hang_timeout_s) stops the attempt and restarts it."""
     cluster = cluster_factory(1)
     with RelayClient(cluster.address) as c:
-        job = c.submit(trainer_spec("hangs", "--sleep 0.15", hang_timeout_s=5, stop_grace_s=2), base_dir=JOBS)
+        job = c.submit(trainer_spec("hangs", "--sleep 0.15", hang_timeout_s=10, stop_grace_s=2), base_dir=JOBS)
         wait_for_step(c, job.id, 1, 8)
         victim = chaos.worker_pids(job.id, rank=1, attempt=1)
         assert chaos.freeze(victim[1])
@@ -223,7 +223,7 @@ def test_hung_worker_is_detected_and_restarted(cluster_factory, reference_model,
             chaos.thaw(victim[1])  # if it still exists, let the platform's SIGTERM/SIGKILL reach it
         assert final.state == JobState.SUCCEEDED, describe(c, final)
         assert final.restarts == 1
-        assert "no progress for 5 s" in final.restart_reasons[0].reason
+        assert "no progress for 10 s" in final.restart_reasons[0].reason
         assert_resumes(metric_points(c, job.id), attempts=2)
         assert_same_model(c, job.id, tmp_path / "out", reference_model)
         assert_nothing_left(job.id)
@@ -321,11 +321,15 @@ def test_cancel_commits_a_checkpoint_unless_told_not_to(cluster_factory, checkpo
         logs = [line.text for line in c.iter_logs(job.id)]
         committed = [t for t in logs if "asked to stop; checkpoint committed at step" in t]
         if checkpoint:
-            if len(committed) != 2:  # say whether the lines came late or never (seen once under load)
-                time.sleep(2)
-                later = [line.text for line in c.iter_logs(job.id)]
-                pytest.fail(f"{len(committed)} stop lines when the job was CANCELLED; 2 s later the job had "
-                            f"{len(later)} log lines: {later[-6:]}; {describe(c, final)}")
+            # the agent ships a worker's last lines in its next batch, which may land after the
+            # state (seen once under load): wait for them, then say whether they came late or never
+            deadline = time.monotonic() + 30
+            while len(committed) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+                logs = [line.text for line in c.iter_logs(job.id)]
+                committed = [t for t in logs if "asked to stop; checkpoint committed at step" in t]
+            assert len(committed) == 2, (f"{len(committed)} stop lines 30 s after the job was CANCELLED; "
+                                         f"its last log lines: {logs[-6:]}; {describe(c, final)}")
             assert len({t.rsplit(" ", 1)[-1] for t in committed}) == 1, committed
         else:
             assert committed == [], logs

@@ -97,7 +97,12 @@ def _check_balanced(results: dict) -> None:
     assert results[0]["shares"] == results[1]["shares"] and sum(results[0]["shares"]) == GLOBAL_BATCH
     assert all(s > 0 for s in results[0]["speeds"]), results  # every rank's speed was measured
     for resplit in results[0]["resplits"]:  # each re-split: the shares follow the speeds measured then
-        assert resplit["shares"] == list(proportional_shares(resplit["speeds"], GLOBAL_BATCH)), resplit
+        # a whole move is the split of that window's speeds; a fine move (shares.fine_resplit) is
+        # the split of the steady speeds of several windows, which may differ from the last one's
+        # by a sample or two: it still gives the faster rank the larger share
+        faster = max((0, 1), key=lambda r: resplit["speeds"][r])
+        assert resplit["shares"] == list(proportional_shares(resplit["speeds"], GLOBAL_BATCH)) \
+            or resplit["shares"][faster] > resplit["shares"][1 - faster], resplit
 
 
 def test_a_job_of_any_device_runs_gpu_and_cpu_ranks_in_one_gloo_group(cluster_factory, tmp_path):

@@ -50,8 +50,8 @@ def test_joiners_past_max_workers_wait_in_line():
     members = in_threads(*(lambda m=m: ElasticGroup(client(master.port), m, first, min_workers=1, max_workers=3)
                            for m in (0, 1)))
 
-    def join(member):
-        return ElasticGroup.join(client(master.port), member, min_workers=1, max_workers=3, wait_s=3)
+    def join(member, wait_s=60.0):
+        return ElasticGroup.join(client(master.port), member, min_workers=1, max_workers=3, wait_s=wait_s)
 
     def step(group):
         while waiting(master) < 2:  # both joiners registered
@@ -63,7 +63,7 @@ def test_joiners_past_max_workers_wait_in_line():
     def second():
         while waiting(master) < 1:  # after joiner 5: it comes second
             time.sleep(0.01)
-        return join(6)
+        return join(6, wait_s=3)  # in line behind 5 for good: it times out
 
     got = in_threads(lambda: step(members[0]), lambda: step(members[1]), lambda: join(5), second)
     assert got[0] == got[1] == Membership(1, 5, (0, 1, 5)) and got[2].membership == got[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torchrelay.errors import InvalidSpec, Unschedulable
 from torchrelay.train.pipeline.partition import (
@@ -146,7 +146,7 @@ devices_st = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(blocks=st.lists(costs, min_size=1, max_size=8), devices=st.lists(devices_st, min_size=1,
        max_size=4), bandwidth=st.sampled_from([math.inf, 1e3, 1e5]),
        schedule=st.sampled_from(["gpipe", "1f1b"]), microbatches=st.integers(1, 8))
