@@ -33,6 +33,8 @@ CONTROLLERS = ("cpu", "memory")
 # here take a few ms); a 10 ms period caps a stall at 5 ms, so the quota acts as a rate, which
 # is what the balanced shares measure (Kubernetes exposes the same knob, cpuCFSQuotaPeriod,
 # for the same reason). A quota too small for it stretches the period instead (``_period_us``).
+# Not shorter: a 2 ms period made bench/hetero.py's solo jobs (1 and 0.5 cpu) about 20 % slower
+# in a probe (2026-12-05), and the pair's wait in the all-reduce did not shrink.
 PERIOD_US = 10_000
 MAX_PERIOD_US = 1_000_000  # the kernel's largest period
 MIN_QUOTA_US = 1_000  # the kernel's smallest quota
