@@ -98,8 +98,8 @@ def _check_balanced(results: dict) -> None:
     assert all(s > 0 for s in results[0]["speeds"]), results  # every rank's speed was measured
     for resplit in results[0]["resplits"]:  # each re-split: the shares follow the speeds measured then
         # a whole move is the split of that window's speeds; a fine move (shares.fine_resplit) is
-        # the split of the steady speeds of several windows, which may differ from the last one's
-        # by a sample or two: it still gives the faster rank the larger share
+        # the split of the steady speeds of several windows, which need not be the last window's
+        # split: it still gives the faster rank the larger share
         faster = max((0, 1), key=lambda r: resplit["speeds"][r])
         assert resplit["shares"] == list(proportional_shares(resplit["speeds"], GLOBAL_BATCH)) \
             or resplit["shares"][faster] > resplit["shares"][1 - faster], resplit
