@@ -8,6 +8,8 @@ Contract:
   once, so freeing it after forward would only gather it again (torchtitan does the same).
 - Mixed precision (``config.mixed_precision_dtypes``): parameters in bf16/fp16 for compute,
   gradients reduced in float32, the sharded parameters and the optimizer stay float32.
+- CPU workers (gloo): the units' all-gathers and reduce-scatters are pairwise exchanges
+  (pairwise.py: gloo's own take 1.5–2 times as long), unless ``RELAY_FSDP_PAIRWISE=0``.
 - ``offload``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and the optimizer
   step in CPU memory; gathered to the device per unit). On CPU workers it changes nothing and
   is not applied.
@@ -25,6 +27,7 @@ from torch import nn
 
 from torchrelay.train.memory_meter import local_bytes
 from torchrelay.train.sharded.config import FSDPConfig, mixed_precision_dtypes
+from torchrelay.train.sharded.pairwise import use_pairwise
 from torchrelay.train.sharded.units import find_units
 
 __all__ = ["apply_fsdp", "largest_unit_bytes", "unit_shard_bytes"]
@@ -70,6 +73,8 @@ def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig, device_type: str
         fully_shard(model.get_submodule(name), reshard_after_forward=config.reshard_after_forward and not last,
                     **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    if device_type == "cpu":
+        use_pairwise(model, mesh.get_group())
     return units, notes
 
 

@@ -11,7 +11,8 @@ moved there and sharded as it is. Collective over ``dp_group``.
 
 Each sharded block is its own FSDP root: the pipeline runtime runs blocks one after another
 per micro-batch, and each block reduce-scatters its gradients in backward, averaged over the
-replicas (so the runtime must not average them again: ``prepare`` passes it no ``dp_group``).
+replicas (so the runtime must not average them again: ``prepare`` passes it no ``dp_group``);
+on CPU workers with pairwise exchanges, as ``apply_fsdp`` does (pairwise.py).
 ``stage_holding`` is what this rank holds, for the layout ``relay status`` shows.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.d
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from torchrelay.train.sharded.pairwise import use_pairwise
     from torchrelay.train.sharded.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
     tp = mesh["tp"].size() if mesh is not None else 1
@@ -63,6 +65,8 @@ def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.d
         if plan:
             split += [f"{i}.{name}" for name in apply_tensor_parallel(block, mesh["tp"], plan)]
         fully_shard(block, mesh=dp_mesh)
+        if device.type == "cpu":
+            use_pairwise(block, dp_mesh.get_group())
         if template is not None:
             block.to_empty(device=device)
             fill_from_full(block, materialize(template, seed + i))

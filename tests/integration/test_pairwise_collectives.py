@@ -1,0 +1,170 @@
+"""FSDP2's pairwise all-gather and reduce-scatter on real gloo ranks: the same results as gloo's own
+collectives, gloo's own where they do not apply, and the same training with them as without.
+
+This file is also the worker script (``python test_pairwise_collectives.py SCENARIO RANK WORLD PORT
+OUT_DIR``, run by ``tests/rank_scripts.run_ranks``); each rank writes ``OUT_DIR/SCENARIO-RANK.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.timeout(300)
+
+PIECE = 1000  # elements of each rank's piece
+
+
+def _filled(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+
+
+def scenario_all_gather(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from torchrelay.train.sharded.pairwise import PairwiseAllGather
+
+    group, out = dist.group.WORLD, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = torch.empty(world * PIECE, dtype=dtype)
+        dist.all_gather_into_tensor(expected, _filled(rank, PIECE, dtype))
+        apart = torch.full((world * PIECE,), float("nan"), dtype=dtype)
+        PairwiseAllGather()(apart, _filled(rank, PIECE, dtype), group)
+        in_place = torch.full((world * PIECE,), float("nan"), dtype=dtype)  # as FSDP2 calls it
+        piece = in_place.view(world, PIECE)[rank]
+        piece.copy_(_filled(rank, PIECE, dtype))
+        PairwiseAllGather()(in_place, piece, group)
+        out[str(dtype)] = {"apart": torch.equal(apart, expected), "in_place": torch.equal(in_place, expected)}
+    later = torch.empty(world * PIECE)
+    work = PairwiseAllGather()(later, _filled(rank, PIECE), group, async_op=True)  # gloo's own, asynchronous
+    work.wait()
+    expected = torch.empty(world * PIECE)
+    dist.all_gather_into_tensor(expected, _filled(rank, PIECE))
+    out["async"] = torch.equal(later, expected)
+    return out
+
+
+def scenario_reduce_scatter(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from torchrelay.train.sharded.pairwise import PairwiseReduceScatter
+
+    group, out = dist.group.WORLD, {}
+    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
+        data = _filled(rank, world * PIECE)
+        expected = torch.empty(PIECE)
+        dist.reduce_scatter_tensor(expected, data.clone(), op=op)
+        got = torch.full((PIECE,), float("nan"))
+        PairwiseReduceScatter()(got, data, group, op)
+        out[name] = {"diff": (got - expected).abs().max().item(),
+                     "input_kept": torch.equal(data, _filled(rank, world * PIECE))}
+    return out
+
+
+def scenario_training(rank: int, world: int) -> dict:
+    """Three fsdp steps with the pairwise collectives and three with gloo's own, from the same start."""
+    import torch.distributed as dist
+
+    from torchrelay.spec import FSDPStrategy
+    from torchrelay.train import sharded, unwrap
+    from torchrelay.train.sharded import pairwise as module
+
+    calls = {"1": 0, "0": 0}
+    for cls in (module.PairwiseAllGather, module.PairwiseReduceScatter):  # count the calls FSDP2 makes
+        def counted(self, *args, _original=cls.__call__, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            calls[os.environ["RELAY_FSDP_PAIRWISE"]] += 1
+            return _original(self, *args, **kwargs)
+        cls.__call__ = counted
+    finals = {}
+    for pairwise in ("1", "0"):
+        os.environ["RELAY_FSDP_PAIRWISE"] = pairwise
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        model, opt = sharded.prepare(model, opt, FSDPStrategy(kind="fsdp"), _context())
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * world + rank)
+            loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        finals[pairwise] = {k: v.full_tensor() for k, v in unwrap(model).state_dict().items()}
+    os.environ.pop("RELAY_FSDP_PAIRWISE")
+    return {"diff": max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
+            "moved": (finals["1"]["0.weight"] - _first_weight()).abs().max().item(),
+            "calls": calls, "on_gloo": module.use_pairwise(nn.Linear(2, 2), dist.group.WORLD)}
+
+
+def _first_weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return nn.Linear(16, 64).weight.detach()
+
+
+def _context():
+    import torchrelay.train as rt
+
+    return rt.current_context()
+
+
+def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
+    import torchrelay.train as rt
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RELAY_STRATEGY=json.dumps({"kind": "fsdp"}))
+    rt.init()
+    result = {"all_gather": scenario_all_gather(rank, world), "reduce_scatter": scenario_reduce_scatter(rank, world),
+              "training": scenario_training(rank, world)}
+    rt.shutdown()
+    Path(out_dir, f"{scenario}-{rank}.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[int, list[dict]]:
+    """{world size: each rank's results}: 2 ranks (one peer each) and 3 (two peers, an odd count)."""
+    from rank_scripts import run_ranks
+
+    out = tmp_path_factory.mktemp("pairwise")
+    return {world: run_ranks(__file__, out, world, f"world{world}", timeout=240) for world in (2, 3)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_equals_gloos_bit_for_bit(launched: dict, world: int) -> None:
+    for r in launched[world]:
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert r["all_gather"][dtype] == {"apart": True, "in_place": True}, r["all_gather"]
+        assert r["all_gather"]["async"] is True  # an asynchronous call is gloo's own
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_equals_gloos_and_keeps_its_input(launched: dict, world: int) -> None:
+    for r in launched[world]:
+        rs = r["reduce_scatter"]
+        exact = world == 2  # two addends sum alike in either order; three may round differently
+        for name in ("sum", "avg"):
+            assert rs[name]["diff"] <= (0.0 if exact else 1e-6), (name, rs)
+        assert rs["max"]["diff"] == 0.0, rs  # not SUM or AVG: gloo's own
+        assert all(rs[name]["input_kept"] for name in rs), rs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_trains_the_same_with_the_pairwise_collectives_as_without(launched: dict, world: int) -> None:
+    for r in launched[world]:
+        t = r["training"]
+        assert t["moved"] > 1e-3, t  # the steps changed the model: the comparison below compares something
+        assert t["diff"] <= (0.0 if world == 2 else 1e-6), t
+        # 3 steps × (3 units + root: forward all-gathers, backward all-gathers and reduce-scatters), the
+        # last unit kept gathered; none with RELAY_FSDP_PAIRWISE=0
+        assert t["calls"]["1"] > 12 and t["calls"]["0"] == 0, t
+        assert t["on_gloo"] is True, t
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
