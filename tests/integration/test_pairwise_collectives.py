@@ -1,5 +1,6 @@
-"""FSDP2's pairwise all-gather and reduce-scatter on real gloo ranks: the same results as gloo's own
-collectives, gloo's own where they do not apply, and the same training with them as without.
+"""The pairwise exchanges on real gloo ranks: FSDP2's all-gather and reduce-scatter and DDP's two-rank
+all-reduce give gloo's results, gloo's own run where they do not apply, and training is the same with
+them as without.
 
 This file is also the worker script (``python test_pairwise_collectives.py SCENARIO RANK WORLD PORT
 OUT_DIR``, run by ``tests/rank_scripts.run_ranks``); each rank writes ``OUT_DIR/SCENARIO-RANK.json``.
@@ -66,6 +67,15 @@ def scenario_reduce_scatter(rank: int, world: int) -> dict:
     return out
 
 
+def _three_steps(model, opt, rank: int, world: int) -> None:  # noqa: ANN001
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * world + rank)
+        loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def scenario_training(rank: int, world: int) -> dict:
     """Three fsdp steps with the pairwise collectives and three with gloo's own, from the same start."""
     import torch.distributed as dist
@@ -77,27 +87,66 @@ def scenario_training(rank: int, world: int) -> dict:
     calls = {"1": 0, "0": 0}
     for cls in (module.PairwiseAllGather, module.PairwiseReduceScatter):  # count the calls FSDP2 makes
         def counted(self, *args, _original=cls.__call__, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            calls[os.environ["RELAY_FSDP_PAIRWISE"]] += 1
+            calls[os.environ["RELAY_PAIRWISE"]] += 1
             return _original(self, *args, **kwargs)
         cls.__call__ = counted
     finals = {}
     for pairwise in ("1", "0"):
-        os.environ["RELAY_FSDP_PAIRWISE"] = pairwise
+        os.environ["RELAY_PAIRWISE"] = pairwise
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         model, opt = sharded.prepare(model, opt, FSDPStrategy(kind="fsdp"), _context())
-        for step in range(3):
-            g = torch.Generator().manual_seed(step * world + rank)
-            loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        _three_steps(model, opt, rank, world)
         finals[pairwise] = {k: v.full_tensor() for k, v in unwrap(model).state_dict().items()}
-    os.environ.pop("RELAY_FSDP_PAIRWISE")
+    os.environ.pop("RELAY_PAIRWISE")
     return {"diff": max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
             "moved": (finals["1"]["0.weight"] - _first_weight()).abs().max().item(),
             "calls": calls, "on_gloo": module.use_pairwise(nn.Linear(2, 2), dist.group.WORLD)}
+
+
+def scenario_ddp(rank: int, world: int) -> dict:
+    """Three ddp steps with the exchange and three with gloo's all-reduce, from the same start, plus
+    ``sum_with_peer_`` against ``all_reduce`` directly."""
+    import torch.distributed as dist
+
+    from torchrelay.spec import DDPStrategy
+    from torchrelay.train import exchange, sync, unwrap
+
+    out: dict = {}
+    if world != 2:
+        try:
+            exchange.sum_with_peer_(torch.ones(4))
+        except ValueError as error:
+            out["refused"] = str(error)
+        return out
+    mine = _filled(rank, PIECE)
+    expected = mine.clone()
+    dist.all_reduce(expected)
+    out["sum_equal"] = torch.equal(exchange.sum_with_peer_(mine.clone()), expected)
+    calls = {"1": 0, "0": 0}
+    original = exchange.sum_with_peer_
+
+    def counted(buffer, group=None):  # noqa: ANN001, ANN202
+        calls[os.environ["RELAY_PAIRWISE"]] += 1
+        return original(buffer, group)
+
+    exchange.sum_with_peer_ = counted
+    finals = {}
+    for pairwise in ("1", "0"):
+        os.environ["RELAY_PAIRWISE"] = pairwise
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        model, opt = sync.prepare(model, opt, DDPStrategy(), _context())
+        _three_steps(model, opt, rank, world)
+        finals[pairwise] = {k: v.detach().clone() for k, v in unwrap(model).state_dict().items()}
+    os.environ.pop("RELAY_PAIRWISE")
+    exchange.sum_with_peer_ = original
+    out.update(diff=max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
+               moved=(finals["1"]["0.weight"] - _first_weight()).abs().max().item(), calls=calls,
+               weight=finals["1"]["0.weight"].flatten()[:8].tolist())
+    return out
 
 
 def _first_weight() -> torch.Tensor:
@@ -118,7 +167,7 @@ def worker(scenario: str, rank: int, world: int, port: int, out_dir: str) -> Non
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RELAY_STRATEGY=json.dumps({"kind": "fsdp"}))
     rt.init()
     result = {"all_gather": scenario_all_gather(rank, world), "reduce_scatter": scenario_reduce_scatter(rank, world),
-              "training": scenario_training(rank, world)}
+              "training": scenario_training(rank, world), "ddp": scenario_ddp(rank, world)}
     rt.shutdown()
     Path(out_dir, f"{scenario}-{rank}.json").write_text(json.dumps(result))
 
@@ -161,9 +210,23 @@ def test_fsdp_trains_the_same_with_the_pairwise_collectives_as_without(launched:
         assert t["moved"] > 1e-3, t  # the steps changed the model: the comparison below compares something
         assert t["diff"] <= (0.0 if world == 2 else 1e-6), t
         # 3 steps × (3 units + root: forward all-gathers, backward all-gathers and reduce-scatters), the
-        # last unit kept gathered; none with RELAY_FSDP_PAIRWISE=0
+        # last unit kept gathered; none with RELAY_PAIRWISE=0
         assert t["calls"]["1"] > 12 and t["calls"]["0"] == 0, t
         assert t["on_gloo"] is True, t
+
+
+def test_ddp_on_two_ranks_sums_by_one_exchange_and_trains_the_same(launched: dict) -> None:
+    ranks = [r["ddp"] for r in launched[2]]
+    for d in ranks:
+        assert d["sum_equal"] is True, d  # the exchange's sum is gloo's all-reduce's, bit for bit
+        assert d["moved"] > 1e-3 and d["diff"] == 0.0, d
+        assert d["calls"] == {"1": 3, "0": 0}, d  # one bucket a step, summed by the exchange; none when off
+    assert ranks[0]["weight"] == ranks[1]["weight"]  # the replicas stay equal
+
+
+def test_sum_with_peer_refuses_a_group_of_three(launched: dict) -> None:
+    for r in launched[3]:
+        assert "needs a group of 2 ranks, this one has 3" in r["ddp"]["refused"], r["ddp"]
 
 
 if __name__ == "__main__":

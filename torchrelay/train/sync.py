@@ -50,6 +50,9 @@ Contract:
   same, and parameter averages weigh each replica by the samples it trained since the last
   sync. ``step()`` counts the step for the balancer, which re-splits when due (collective).
   ``metrics()`` adds ``share``, ``measured_samples_per_s`` and ``resplits``.
+- ddp on 2 gloo ranks on CPU: the last gradient bucket (a small model's only one) is
+  summed by one exchange of the whole bucket (``train.exchange.sum_with_peer_``), not gloo's ring;
+  the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's all-reduce.
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ from torchrelay.spec import (
     LocalSGDStrategy,
     describe_validation_error,
 )
+from torchrelay.train import exchange
 from torchrelay.train.balance import Balancer, StepClock, balancer_for
 from torchrelay.train.environment import validate_strategy
 from torchrelay.train.memory_meter import MemoryMeter
@@ -573,6 +577,13 @@ def _weighted_allreduce_hook(comm, bucket):
     comm.clock.gradients_ready()
     weight = comm.weights.gradient_weight() if comm.weights is not None else 1.0 / comm.world_size
     buffer.mul_(weight)
+    if comm.world_size == 2 and bucket.is_last() and buffer.device.type == "cpu" and exchange.enabled():
+        # One exchange of the whole bucket instead of gloo's ring, which waits in two steps for both
+        # ranks to be scheduled (measured: docs/benchmarks.md, "#16: the two-rank all-reduce as one exchange").
+        # Only the last bucket: it blocks, and after it backward has nothing left to overlap.
+        done = torch.futures.Future()
+        done.set_result(exchange.sum_with_peer_(buffer))
+        return done
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
     return future.then(lambda done: done.value()[0])
 

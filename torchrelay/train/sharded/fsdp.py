@@ -9,7 +9,7 @@ Contract:
 - Mixed precision (``config.mixed_precision_dtypes``): parameters in bf16/fp16 for compute,
   gradients reduced in float32, the sharded parameters and the optimizer stay float32.
 - CPU workers (gloo): the units' all-gathers and reduce-scatters are pairwise exchanges
-  (pairwise.py: gloo's own take 1.5–2 times as long), unless ``RELAY_FSDP_PAIRWISE=0``.
+  (pairwise.py: gloo's own take 1.5–2 times as long), unless ``RELAY_PAIRWISE=0``.
 - ``offload``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and the optimizer
   step in CPU memory; gathered to the device per unit). On CPU workers it changes nothing and
   is not applied.

@@ -9,8 +9,8 @@ Contract:
 - The reduce-scatter takes ``SUM`` and ``AVG`` (what FSDP2 asks for float32 and bfloat16
   gradients); any other op, and any ``async_op=True`` call (an explicit ``unshard(async_op=True)``),
   goes to gloo's own collective. It does not modify its input.
-- ``use_pairwise(module, group)`` installs both on every FSDP module of ``module`` when ``group``'s
-  backend is gloo, unless ``RELAY_FSDP_PAIRWISE=0``; True when it did.
+- ``use_pairwise(module, group)`` installs both on every FSDP module of ``module`` when
+  ``train.exchange.enabled(group)`` (gloo, and ``RELAY_PAIRWISE`` not ``0``); True when it did.
 
 Why by hand: gloo has no reduce-scatter of its own; ``ProcessGroupGloo`` runs an all-reduce of the
 whole buffer and keeps a slice, which moves twice the bytes a reduce-scatter needs. And its ring
@@ -21,7 +21,6 @@ instead of N-1 (a unit of the char LM, 3 MiB, 2 ranks: reduce-scatter 4.5 -> 2.3
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -29,20 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from torchrelay.train.exchange import enabled, exchange
+
 __all__ = ["PairwiseAllGather", "PairwiseReduceScatter", "use_pairwise"]
-
-_OFF_SWITCH = "RELAY_FSDP_PAIRWISE"
-
-
-def _exchange(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], group: dist.ProcessGroup) -> None:
-    """Send ``send`` to and receive ``recv`` from each group rank ``peer`` of ``pairs``, all at once; blocks."""
-    ops = []
-    for send, recv, peer in pairs:
-        global_peer = dist.get_global_rank(group, peer)
-        ops.append(dist.P2POp(dist.isend, send, global_peer, group))
-        ops.append(dist.P2POp(dist.irecv, recv, global_peer, group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
 
 
 class _PlainAlloc:
@@ -59,7 +47,7 @@ class PairwiseAllGather(_PlainAlloc, AllGather):
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         size, rank = group.size(), group.rank()
         pieces = output_tensor.view(size, -1)
-        _exchange([(input_tensor, pieces[peer], peer) for peer in range(size) if peer != rank], group)
+        exchange([(input_tensor, pieces[peer], peer) for peer in range(size) if peer != rank], group)
         if pieces[rank].data_ptr() != input_tensor.data_ptr():  # FSDP2 gathers in place: its input is this piece
             pieces[rank].copy_(input_tensor)
         return None
@@ -76,7 +64,7 @@ class PairwiseReduceScatter(_PlainAlloc, ReduceScatter):
         pieces = input_tensor.view(size, -1)
         peers = [peer for peer in range(size) if peer != rank]
         received = torch.empty((len(peers), pieces.shape[1]), dtype=input_tensor.dtype, device=input_tensor.device)
-        _exchange([(pieces[peer], received[i], peer) for i, peer in enumerate(peers)], group)
+        exchange([(pieces[peer], received[i], peer) for i, peer in enumerate(peers)], group)
         torch.sum(received, dim=0, out=output_tensor)
         output_tensor.add_(pieces[rank])
         if op == dist.ReduceOp.AVG:
@@ -88,7 +76,7 @@ def use_pairwise(module: nn.Module, group: dist.ProcessGroup) -> bool:
     """Install the pairwise collectives on every FSDP module of ``module`` (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if os.environ.get(_OFF_SWITCH, "1") == "0" or dist.get_backend(group) != "gloo":
+    if not enabled(group):
         return False
     all_gather, reduce_scatter = PairwiseAllGather(), PairwiseReduceScatter()
     for sub in module.modules():
