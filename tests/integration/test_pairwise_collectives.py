@@ -78,8 +78,6 @@ def _three_steps(model, opt, rank: int, world: int) -> None:  # noqa: ANN001
 
 def scenario_training(rank: int, world: int) -> dict:
     """Three fsdp steps with the pairwise collectives and three with gloo's own, from the same start."""
-    import torch.distributed as dist
-
     from torchrelay.spec import FSDPStrategy
     from torchrelay.train import sharded, unwrap
     from torchrelay.train.sharded import pairwise as module
@@ -102,7 +100,20 @@ def scenario_training(rank: int, world: int) -> dict:
     os.environ.pop("RELAY_PAIRWISE")
     return {"diff": max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
             "moved": (finals["1"]["0.weight"] - _first_weight()).abs().max().item(),
-            "calls": calls, "on_gloo": module.use_pairwise(nn.Linear(2, 2), dist.group.WORLD)}
+            "calls": calls, "agreement": _agreement(rank)}
+
+
+def _agreement(rank: int) -> dict:
+    """``exchange.agreed`` on this rank when every rank is willing, when rank 1 is on a GPU, and when rank 0
+    alone has ``RELAY_PAIRWISE=0``: the exchanges only where every rank takes them."""
+    from torchrelay.train import exchange
+
+    out = {"all": exchange.agreed(True), "rank_1_on_gpu": exchange.agreed(on_cpu=rank != 1)}
+    if rank == 0:
+        os.environ["RELAY_PAIRWISE"] = "0"
+    out["rank_0_off"] = exchange.agreed(True)
+    os.environ.pop("RELAY_PAIRWISE", None)
+    return out
 
 
 def scenario_ddp(rank: int, world: int) -> dict:
@@ -212,7 +223,7 @@ def test_fsdp_trains_the_same_with_the_pairwise_collectives_as_without(launched:
         # 3 steps × (3 units + root: forward all-gathers, backward all-gathers and reduce-scatters), the
         # last unit kept gathered; none with RELAY_PAIRWISE=0
         assert t["calls"]["1"] > 12 and t["calls"]["0"] == 0, t
-        assert t["on_gloo"] is True, t
+        assert t["agreement"] == {"all": True, "rank_1_on_gpu": False, "rank_0_off": False}, t
 
 
 def test_ddp_on_two_ranks_sums_by_one_exchange_and_trains_the_same(launched: dict) -> None:

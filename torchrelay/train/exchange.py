@@ -1,8 +1,12 @@
 """Collectives as one round of point-to-point exchanges, for gloo, whose own take longer on CPU.
 
 Contract:
-- ``enabled(group)``: True when ``group``'s backend is gloo and ``RELAY_PAIRWISE`` is not ``0``.
-  The only switch: it turns off both uses below.
+- ``agreed(on_cpu, group)``: whether every rank of ``group`` uses the exchanges: the backend is
+  gloo and, on every rank, the tensors are on the CPU (``on_cpu``) and ``RELAY_PAIRWISE`` is not
+  ``0``. Every rank must take the same path, or one would wait in an exchange while its peer
+  waits in gloo's collective: a job of CPU and GPU workers on gloo keeps gloo's collectives.
+  Collective on a gloo group (one all-reduce of a flag; call it where all ranks do, once, at
+  prepare time); False at once on another backend.
 - ``exchange(pairs, group)``: for each ``(send, recv, peer)`` sends ``send`` to the group rank
   ``peer`` and receives ``recv`` from it, all of them at once (``batch_isend_irecv``); blocks
   until every one is done.
@@ -23,14 +27,18 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["enabled", "exchange", "sum_with_peer_"]
+__all__ = ["agreed", "exchange", "sum_with_peer_"]
 
 SWITCH = "RELAY_PAIRWISE"
 
 
-def enabled(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether the exchanges replace gloo's collectives on ``group`` (default: the world)."""
-    return os.environ.get(SWITCH, "1") != "0" and dist.get_backend(group) == "gloo"
+def agreed(on_cpu: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of ``group`` (default: the world) uses the exchanges (see the module docstring)."""
+    if dist.get_backend(group) != "gloo":
+        return False
+    willing = torch.tensor([int(on_cpu and os.environ.get(SWITCH, "1") != "0")])
+    dist.all_reduce(willing, op=dist.ReduceOp.MIN, group=group)
+    return bool(willing.item())
 
 
 def exchange(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], group: dist.ProcessGroup | None = None) -> None:

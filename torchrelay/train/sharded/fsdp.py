@@ -9,7 +9,8 @@ Contract:
 - Mixed precision (``config.mixed_precision_dtypes``): parameters in bf16/fp16 for compute,
   gradients reduced in float32, the sharded parameters and the optimizer stay float32.
 - CPU workers (gloo): the units' all-gathers and reduce-scatters are pairwise exchanges
-  (pairwise.py: gloo's own take 1.5–2 times as long), unless ``RELAY_PAIRWISE=0``.
+  (pairwise.py: gloo's own take 1.5–2 times as long) when every rank is on CPU, unless
+  ``RELAY_PAIRWISE=0``.
 - ``offload``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and the optimizer
   step in CPU memory; gathered to the device per unit). On CPU workers it changes nothing and
   is not applied.
@@ -73,8 +74,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig, device_type: str
         fully_shard(model.get_submodule(name), reshard_after_forward=config.reshard_after_forward and not last,
                     **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
-    if device_type == "cpu":
-        use_pairwise(model, mesh.get_group())
+    use_pairwise(model, mesh.get_group(), on_cpu=device_type == "cpu")
     return units, notes
 
 

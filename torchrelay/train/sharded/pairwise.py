@@ -9,8 +9,9 @@ Contract:
 - The reduce-scatter takes ``SUM`` and ``AVG`` (what FSDP2 asks for float32 and bfloat16
   gradients); any other op, and any ``async_op=True`` call (an explicit ``unshard(async_op=True)``),
   goes to gloo's own collective. It does not modify its input.
-- ``use_pairwise(module, group)`` installs both on every FSDP module of ``module`` when
-  ``train.exchange.enabled(group)`` (gloo, and ``RELAY_PAIRWISE`` not ``0``); True when it did.
+- ``use_pairwise(module, group, on_cpu)`` installs both on every FSDP module of ``module`` when
+  ``train.exchange.agreed(on_cpu, group)`` (gloo, and every rank on CPU with ``RELAY_PAIRWISE``
+  not ``0``); True when it did. Collective over ``group`` on gloo.
 
 Why by hand: gloo has no reduce-scatter of its own; ``ProcessGroupGloo`` runs an all-reduce of the
 whole buffer and keeps a slice, which moves twice the bytes a reduce-scatter needs. And its ring
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from torchrelay.train.exchange import enabled, exchange
+from torchrelay.train.exchange import agreed, exchange
 
 __all__ = ["PairwiseAllGather", "PairwiseReduceScatter", "use_pairwise"]
 
@@ -72,11 +73,11 @@ class PairwiseReduceScatter(_PlainAlloc, ReduceScatter):
         return None
 
 
-def use_pairwise(module: nn.Module, group: dist.ProcessGroup) -> bool:
+def use_pairwise(module: nn.Module, group: dist.ProcessGroup, on_cpu: bool) -> bool:
     """Install the pairwise collectives on every FSDP module of ``module`` (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not enabled(group):
+    if not agreed(on_cpu, group):
         return False
     all_gather, reduce_scatter = PairwiseAllGather(), PairwiseReduceScatter()
     for sub in module.modules():

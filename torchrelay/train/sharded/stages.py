@@ -65,8 +65,7 @@ def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.d
         if plan:
             split += [f"{i}.{name}" for name in apply_tensor_parallel(block, mesh["tp"], plan)]
         fully_shard(block, mesh=dp_mesh)
-        if device.type == "cpu":
-            use_pairwise(block, dp_mesh.get_group())
+        use_pairwise(block, dp_mesh.get_group(), on_cpu=device.type == "cpu")
         if template is not None:
             block.to_empty(device=device)
             fill_from_full(block, materialize(template, seed + i))
