@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from torchrelay.train.exchange import agreed, exchange
 
@@ -35,11 +34,13 @@ __all__ = ["PairwiseAllGather", "PairwiseReduceScatter", "use_pairwise"]
 
 
 class _PlainAlloc:
+    # FSDP2 calls ``allocate`` and then the object itself; its ``AllGather`` / ``ReduceScatter`` base
+    # classes are not exported by torch 2.13 (only a private module has them), so these are duck-typed.
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class PairwiseAllGather(_PlainAlloc, AllGather):
+class PairwiseAllGather(_PlainAlloc):
     """``output[r] = rank r's input`` for every rank r of ``group`` (``output`` viewed as ``size × input``)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -54,7 +55,7 @@ class PairwiseAllGather(_PlainAlloc, AllGather):
         return None
 
 
-class PairwiseReduceScatter(_PlainAlloc, ReduceScatter):
+class PairwiseReduceScatter(_PlainAlloc):
     """``output = op over ranks r of (rank r's input)[this rank's piece]``, for ``SUM`` and ``AVG``."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
