@@ -67,19 +67,38 @@ def scenario_reduce_scatter(rank: int, world: int) -> dict:
     return out
 
 
-def _three_steps(model, opt, rank: int, world: int) -> None:  # noqa: ANN001
-    for step in range(3):
-        g = torch.Generator().manual_seed(step * world + rank)
-        loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+def _trained_both_ways(widths: list[int], prepare, full, rank: int, world: int) -> dict:  # noqa: ANN001
+    """Three steps of a Tanh MLP of ``widths`` with ``RELAY_PAIRWISE=1``, then ``=0``, from the same
+    start: the largest difference between the two runs' parameters (``full`` makes one whole) and how
+    far the first layer moved."""
+    from torchrelay.train import unwrap
+
+    finals = {}
+    for pairwise in ("1", "0"):
+        os.environ["RELAY_PAIRWISE"] = pairwise
+        torch.manual_seed(0)
+        layers = [layer for a, b in zip(widths, widths[1:]) for layer in (nn.Linear(a, b), nn.Tanh())][:-1]
+        model = nn.Sequential(*layers)
+        model, opt = prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * world + rank)
+            loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        finals[pairwise] = {k: full(v) for k, v in unwrap(model).state_dict().items()}
+    os.environ.pop("RELAY_PAIRWISE")
+    torch.manual_seed(0)
+    first = nn.Linear(16, widths[1]).weight.detach()
+    return {"diff": max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
+            "moved": (finals["1"]["0.weight"] - first).abs().max().item(),
+            "weight": finals["1"]["0.weight"].flatten()[:8].tolist()}
 
 
 def scenario_training(rank: int, world: int) -> dict:
     """Three fsdp steps with the pairwise collectives and three with gloo's own, from the same start."""
     from torchrelay.spec import FSDPStrategy
-    from torchrelay.train import sharded, unwrap
+    from torchrelay.train import sharded
     from torchrelay.train.sharded import pairwise as module
 
     calls = {"1": 0, "0": 0}
@@ -88,19 +107,9 @@ def scenario_training(rank: int, world: int) -> dict:
             calls[os.environ["RELAY_PAIRWISE"]] += 1
             return _original(self, *args, **kwargs)
         cls.__call__ = counted
-    finals = {}
-    for pairwise in ("1", "0"):
-        os.environ["RELAY_PAIRWISE"] = pairwise
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        model, opt = sharded.prepare(model, opt, FSDPStrategy(kind="fsdp"), _context())
-        _three_steps(model, opt, rank, world)
-        finals[pairwise] = {k: v.full_tensor() for k, v in unwrap(model).state_dict().items()}
-    os.environ.pop("RELAY_PAIRWISE")
-    return {"diff": max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
-            "moved": (finals["1"]["0.weight"] - _first_weight()).abs().max().item(),
-            "calls": calls, "agreement": _agreement(rank)}
+    out = _trained_both_ways([16, 64, 64, 4], lambda m, o: sharded.prepare(m, o, FSDPStrategy(kind="fsdp"), _context()),
+                             lambda v: v.full_tensor(), rank, world)
+    return {**out, "calls": calls, "agreement": _agreement(rank)}
 
 
 def _agreement(rank: int) -> dict:
@@ -122,7 +131,7 @@ def scenario_ddp(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from torchrelay.spec import DDPStrategy
-    from torchrelay.train import exchange, sync, unwrap
+    from torchrelay.train import exchange, sync
 
     out: dict = {}
     if world != 2:
@@ -143,26 +152,10 @@ def scenario_ddp(rank: int, world: int) -> dict:
         return original(buffer, group)
 
     exchange.sum_with_peer_ = counted
-    finals = {}
-    for pairwise in ("1", "0"):
-        os.environ["RELAY_PAIRWISE"] = pairwise
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        model, opt = sync.prepare(model, opt, DDPStrategy(), _context())
-        _three_steps(model, opt, rank, world)
-        finals[pairwise] = {k: v.detach().clone() for k, v in unwrap(model).state_dict().items()}
-    os.environ.pop("RELAY_PAIRWISE")
+    out.update(_trained_both_ways([16, 64, 4], lambda m, o: sync.prepare(m, o, DDPStrategy(), _context()),
+                                  lambda v: v.detach().clone(), rank, world), calls=calls)
     exchange.sum_with_peer_ = original
-    out.update(diff=max((finals["1"][k] - finals["0"][k]).abs().max().item() for k in finals["1"]),
-               moved=(finals["1"]["0.weight"] - _first_weight()).abs().max().item(), calls=calls,
-               weight=finals["1"]["0.weight"].flatten()[:8].tolist())
     return out
-
-
-def _first_weight() -> torch.Tensor:
-    torch.manual_seed(0)
-    return nn.Linear(16, 64).weight.detach()
 
 
 def _context():
@@ -223,7 +216,13 @@ def test_fsdp_trains_the_same_with_the_pairwise_collectives_as_without(launched:
         # 3 steps × (3 units + root: forward all-gathers, backward all-gathers and reduce-scatters), the
         # last unit kept gathered; none with RELAY_PAIRWISE=0
         assert t["calls"]["1"] > 12 and t["calls"]["0"] == 0, t
-        assert t["agreement"] == {"all": True, "rank_1_on_gpu": False, "rank_0_off": False}, t
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_exchanges_are_used_only_where_every_rank_agrees(launched: dict, world: int) -> None:
+    for r in launched[world]:
+        agreement = r["training"]["agreement"]
+        assert agreement == {"all": True, "rank_1_on_gpu": False, "rank_0_off": False}, agreement
 
 
 def test_ddp_on_two_ranks_sums_by_one_exchange_and_trains_the_same(launched: dict) -> None:

@@ -9,9 +9,9 @@ Contract:
 - The reduce-scatter takes ``SUM`` and ``AVG`` (what FSDP2 asks for float32 and bfloat16
   gradients); any other op, and any ``async_op=True`` call (an explicit ``unshard(async_op=True)``),
   goes to gloo's own collective. It does not modify its input.
-- ``use_pairwise(module, group, on_cpu)`` installs both on every FSDP module of ``module`` when
-  ``train.exchange.agreed(on_cpu, group)`` (gloo, and every rank on CPU with ``RELAY_PAIRWISE``
-  not ``0``); True when it did. Collective over ``group`` on gloo.
+- ``install(module)`` sets both on every FSDP module of ``module``. ``use_pairwise(module, group,
+  on_cpu)`` installs them when ``train.exchange.agreed(on_cpu, group)`` (gloo, and every rank on
+  CPU with ``RELAY_PAIRWISE`` not ``0``); True when it did. Collective over ``group`` on gloo.
 
 Why by hand: gloo has no reduce-scatter of its own; ``ProcessGroupGloo`` runs an all-reduce of the
 whole buffer and keeps a slice, which moves twice the bytes a reduce-scatter needs. And its ring
@@ -30,7 +30,7 @@ from torch import nn
 
 from torchrelay.train.exchange import agreed, exchange
 
-__all__ = ["PairwiseAllGather", "PairwiseReduceScatter", "use_pairwise"]
+__all__ = ["PairwiseAllGather", "PairwiseReduceScatter", "install", "use_pairwise"]
 
 
 class _PlainAlloc:
@@ -74,15 +74,20 @@ class PairwiseReduceScatter(_PlainAlloc):
         return None
 
 
-def use_pairwise(module: nn.Module, group: dist.ProcessGroup, on_cpu: bool) -> bool:
-    """Install the pairwise collectives on every FSDP module of ``module`` (see the module docstring)."""
+def install(module: nn.Module) -> None:
+    """Set the pairwise collectives on every FSDP module of ``module``, unconditionally."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not agreed(on_cpu, group):
-        return False
     all_gather, reduce_scatter = PairwiseAllGather(), PairwiseReduceScatter()
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_custom_all_gather(all_gather)
             sub.set_custom_reduce_scatter(reduce_scatter)
+
+
+def use_pairwise(module: nn.Module, group: dist.ProcessGroup, on_cpu: bool) -> bool:
+    """Install the pairwise collectives if every rank agrees (see the module docstring). Collective."""
+    if not agreed(on_cpu, group):
+        return False
+    install(module)
     return True

@@ -49,13 +49,15 @@ def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.d
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from torchrelay.train.sharded.pairwise import use_pairwise
+    from torchrelay.train.exchange import agreed
+    from torchrelay.train.sharded import pairwise
     from torchrelay.train.sharded.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
     tp = mesh["tp"].size() if mesh is not None else 1
     dp_mesh = mesh["dp"] if mesh is not None else DeviceMesh.from_group(dp_group, device.type,
                                                                          mesh_dim_names=("dp",))
     split: list[str] = []
+    exchanges = agreed(on_cpu=device.type == "cpu", group=dp_mesh.get_group())  # once for all blocks
     for i, block in own.items():
         on_meta = any(p.device.type == "meta" for p in block.parameters())
         template = copy.deepcopy(block) if on_meta else None
@@ -65,7 +67,8 @@ def shard_stage_blocks(own: dict[int, nn.Module], dp_group: Any, device: torch.d
         if plan:
             split += [f"{i}.{name}" for name in apply_tensor_parallel(block, mesh["tp"], plan)]
         fully_shard(block, mesh=dp_mesh)
-        use_pairwise(block, dp_mesh.get_group(), on_cpu=device.type == "cpu")
+        if exchanges:
+            pairwise.install(block)
         if template is not None:
             block.to_empty(device=device)
             fill_from_full(block, materialize(template, seed + i))
