@@ -20,6 +20,18 @@ examples/digits, global batch 128, target loss 0.35 (the digits rows in docs/ben
   cgroup, written here): how many steps until its shares settle. The shares and measured
   speeds at each re-measurement are printed.
 
+- equal pair: last, both agents set to 0.75 cpu (the same 1.5 cpu in all), solos, plain ddp,
+  solos: what plain DDP reaches against its solo jobs when neither worker waits for a slower
+  one. That is the cost of a synchronous step on this machine (the all-reduce, and the jitter of
+  two processes sharing 2 cores), which no split recovers: the ceiling for vs_sum_solo here.
+
+The first five run in the order solos, balanced, plain, balanced, solos, and each ratio takes
+the mean of a kind's two runs: the solos' and the balanced runs' mean times are then the plain
+run's, so a machine that speeds up or slows down steadily during the bench moves every ratio's
+two sides alike. Measured on this machine's 2 shared cores: the two solo jobs trained 1,061
+samples/s together at the start of a session and 1,263 eight minutes later, with nothing else
+running; a balanced run compared with solos from minutes before carried that drift.
+
 Throughput is samples/s of the global batch over the steps after a warm-up, printed with each
 rank's mean fraction of a step spent waiting in the all-reduce (after step 20); time to loss is
 wall time from the first step until the loss (an exponential average) falls below
@@ -37,7 +49,8 @@ windows) is mostly compute, as a training step usually is.
     sudo .venv/bin/python bench/hetero.py [--model charlm|digits] [--steps 300] [--batch B]
 
 Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
-balanced / plain, "time_to_loss_ratio": balanced / plain, "resettle_steps": steps from the lift
+balanced / plain, "time_to_loss_ratio": balanced / plain (balanced and solo: the means of their
+two runs), "equal_pair_vs_sum_solo": the equal pair's plain ddp / its solos, "resettle_steps": steps from the lift
 to the last re-split (balance_every K is printed beside it)}``.
 """
 from __future__ import annotations
@@ -50,6 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import header_line, package_versions, result_line  # noqa: E402
@@ -261,6 +275,32 @@ def remeasures(points: list) -> list[tuple[int, tuple, tuple]]:
     return [row for i, row in enumerate(rows) if i == 0 or row[1:] != rows[i - 1][1:]]
 
 
+def set_cpus(agent_pid: int, cpus: float) -> None:
+    """Set an agent's CPU quota (its cgroup, as the lift does) to ``cpus``."""
+    cpu_dir = agent_cpu_dir(agent_pid)
+    period = int((cpu_dir / "cpu.cfs_period_us").read_text())
+    (cpu_dir / "cpu.cfs_quota_us").write_text(str(round(cpus * period)))
+
+
+def equal_pair(cluster, code: Path, args) -> dict[str, float]:
+    """Both agents at 0.75 cpu (the same 1.5 cpu in all): solos, plain ddp, solos. Plain ddp over
+    the mean of the solo sums: what a synchronous step costs on this machine when no worker waits
+    for a slower one, which no split can recover."""
+    from torchrelay.client.sdk import RelayClient
+
+    def solo_sum() -> float:
+        return sum(row["samples_per_s"] for row in run_solos(cluster.address, code, args).values())
+
+    for pid in cluster.pids[1:3]:
+        set_cpus(pid, 0.75)
+    sums = [solo_sum()]
+    with RelayClient(cluster.address) as client:
+        pair = run_job(client, code, args, strategy={"kind": "ddp"}, workers=2, label=None, steps=args.steps)[0]
+    sums.append(solo_sum())
+    return {"solo_sums": sums, "pair": pair["samples_per_s"], "idle": pair["idle"],
+            "ratio": pair["samples_per_s"] / mean(sums)}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from torchrelay.client.cluster import AgentOptions, start_cluster, stop_cluster
@@ -283,24 +323,30 @@ def main(argv=None) -> None:
         quota = int((slow_dir / "cpu.cfs_quota_us").read_text()) / int((slow_dir / "cpu.cfs_period_us").read_text())
         assert quota == 0.5, f"no 0.5 cpu quota in {slow_dir} ({quota} cpu)"
         rows = run_solos(cluster.address, code, args)
+        balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
+        balanced_points = []
         with RelayClient(cluster.address) as client:
-            rows["plain ddp"], _ = run_job(client, code, args, strategy={"kind": "ddp"}, workers=2, label=None,
-                                           steps=args.steps)
-            balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
-            rows["balanced ddp"], balanced_points = run_job(client, code, args, strategy=balanced, workers=2,
-                                                            label=None, steps=args.steps)
-            shares = sorted({p.values.get("share") for p in balanced_points if p.rank == 0 and p.step > 40})
+            for name in ("balanced ddp", "plain ddp", "balanced ddp 2"):
+                strategy = {"kind": "ddp"} if name.startswith("plain") else balanced
+                rows[name], points = run_job(client, code, args, strategy=strategy, workers=2, label=None,
+                                             steps=args.steps)
+                if name.startswith("balanced"):
+                    balanced_points.append(points)
+        rows.update({f"{name} 2": row for name, row in run_solos(cluster.address, code, args).items()})
+        shares = [sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
+                  for points in balanced_points]
+        with RelayClient(cluster.address) as client:
             lift = {"at": None, "step": None}
 
             def lift_at_step(point) -> None:
                 if lift["at"] is None and point.step >= args.lift_steps // 3:
-                    period = int((slow_dir / "cpu.cfs_period_us").read_text())
-                    (slow_dir / "cpu.cfs_quota_us").write_text(str(period))  # 1 cpu
+                    set_cpus(cluster.pids[2], 1.0)
                     lift["at"], lift["step"] = time.time(), point.step
 
             rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,
                                                               label=None, steps=args.lift_steps, on_point=lift_at_step)
         resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
+        equal = equal_pair(cluster, code, args)
     finally:
         stop_cluster(cluster.home)
         shutil.rmtree(home, ignore_errors=True)
@@ -309,27 +355,38 @@ def main(argv=None) -> None:
         ttl = f"{row['time_to_loss_s']:.2f} s" if row["time_to_loss_s"] is not None else "not reached"
         idle = ", ".join(f"{rank}: {fraction:.0%}" for rank, fraction in row["idle"].items()) or "-"
         print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}   {idle}")
-    solo_sum = rows["solo fast"]["samples_per_s"] + rows["solo slow"]["samples_per_s"]
-    balanced_rate, plain_rate = rows["balanced ddp"]["samples_per_s"], rows["plain ddp"]["samples_per_s"]
-    ttl_b, ttl_p = rows["balanced ddp"]["time_to_loss_s"], rows["plain ddp"]["time_to_loss_s"]
+    solo_sums = [rows[f"solo fast{n}"]["samples_per_s"] + rows[f"solo slow{n}"]["samples_per_s"] for n in ("", " 2")]
+    balanced_rates = [rows[name]["samples_per_s"] for name in ("balanced ddp", "balanced ddp 2")]
+    solo_sum, balanced_rate = mean(solo_sums), mean(balanced_rates)
+    plain_rate = rows["plain ddp"]["samples_per_s"]
+    ttls = [rows[name]["time_to_loss_s"] for name in ("balanced ddp", "balanced ddp 2")]
+    ttl_b = mean(ttls) if all(ttls) else None
+    ttl_p = rows["plain ddp"]["time_to_loss_s"]
     result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
-              "resettle_steps": resettle}
-    budget = step_budget(balanced_points, args.batch, balanced_rate, solo_sum)
-    if budget:
-        step_ms = args.batch / balanced_rate * 1000
-        print(f"the balanced step, {step_ms:.0f} ms: " + "; ".join(
-            f"{name} {ms:.0f} ms ({ms / step_ms:.0%})" for name, ms in budget.items()))
-    print(f"balanced / (solo fast + solo slow) = {result['vs_sum_solo']}  (goal >= 0.9)")
+              "resettle_steps": resettle, "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
+    print(f"solo fast + solo slow: {solo_sums[0]:.0f} before, {solo_sums[1]:.0f} after; "
+          f"balanced: {balanced_rates[0]:.0f} and {balanced_rates[1]:.0f}")
+    for n, (points, rate) in enumerate(zip(balanced_points, balanced_rates), 1):
+        budget = step_budget(points, args.batch, rate, solo_sum)
+        if budget:
+            step_ms = args.batch / rate * 1000
+            print(f"balanced run {n}'s step, {step_ms:.0f} ms: " + "; ".join(
+                f"{name} {ms:.0f} ms ({ms / step_ms:.0%})" for name, ms in budget.items()))
+    print(f"balanced / (solo fast + solo slow) = {result['vs_sum_solo']}  (goal >= 0.9; the means of two runs each)")
     print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
     print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
-    print(f"rank 0's shares in the balanced run after step 40: {shares}")
+    print(f"rank 0's shares in the balanced runs after step 40: {shares[0]} and {shares[1]}")
     print(f"lifted run, at each re-measurement (step: shares of ranks 0, 1 / their measured samples/s); "
           f"the slow worker was lifted to 1 cpu when step {lift['step']} was seen:")
     print("  " + "; ".join(f"{step}: {split[0]}+{split[1]} / {speeds[0]}, {speeds[1]}"
                            for step, split, speeds in remeasures(lifted_points)))
     print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; settled {resettle} steps after "
           f"(goal <= 2K = {2 * EVERY})")
+    print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
+          f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
+          f"(idle {', '.join(f'{rank}: {fraction:.0%}' for rank, fraction in equal['idle'].items())}); "
+          f"the balanced pair reaches {result['vs_sum_solo'] / equal['ratio']:.3f} of that")
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(result_line(result, versions))
 

@@ -127,7 +127,8 @@ def _agreement(rank: int) -> dict:
 
 def scenario_ddp(rank: int, world: int) -> dict:
     """Three ddp steps with the exchange and three with gloo's all-reduce, from the same start, plus
-    ``sum_with_peer_`` against ``all_reduce`` directly."""
+    ``PeerSum`` against ``all_reduce`` directly: four calls (the last two on receives posted ahead),
+    a buffer of another size after a receive was posted, and a newer instance after that one."""
     import torch.distributed as dist
 
     from torchrelay.spec import DDPStrategy
@@ -136,25 +137,37 @@ def scenario_ddp(rank: int, world: int) -> dict:
     out: dict = {}
     if world != 2:
         try:
-            exchange.sum_with_peer_(torch.ones(4))
+            exchange.PeerSum()
         except ValueError as error:
             out["refused"] = str(error)
         return out
-    mine = _filled(rank, PIECE)
-    expected = mine.clone()
-    dist.all_reduce(expected)
-    out["sum_equal"] = torch.equal(exchange.sum_with_peer_(mine.clone()), expected)
+
+    def equals_all_reduce(peer_sum, seed: int, numel: int = PIECE) -> bool:
+        mine = _filled(rank + seed, numel)
+        expected = mine.clone()
+        dist.all_reduce(expected)
+        return torch.equal(peer_sum(mine), expected)
+
+    first = exchange.PeerSum()
+    out["sum_equal"] = [equals_all_reduce(first, 10 * call) for call in range(4)]
+    try:
+        first(torch.ones(PIECE + 1))
+    except RuntimeError as error:
+        out["resized"] = str(error)
+    newer = exchange.PeerSum()
+    out["newer_tag"] = newer.tag > first.tag
+    out["newer_equal"] = [equals_all_reduce(newer, 100 + 10 * call, PIECE + 1) for call in range(3)]
     calls = {"1": 0, "0": 0}
-    original = exchange.sum_with_peer_
+    original = exchange.PeerSum.__call__
 
-    def counted(buffer, group=None):  # noqa: ANN001, ANN202
+    def counted(self, buffer):  # noqa: ANN001, ANN202
         calls[os.environ["RELAY_PAIRWISE"]] += 1
-        return original(buffer, group)
+        return original(self, buffer)
 
-    exchange.sum_with_peer_ = counted
+    exchange.PeerSum.__call__ = counted
     out.update(_trained_both_ways([16, 64, 4], lambda m, o: sync.prepare(m, o, DDPStrategy(), _context()),
                                   lambda v: v.detach().clone(), rank, world), calls=calls)
-    exchange.sum_with_peer_ = original
+    exchange.PeerSum.__call__ = original
     return out
 
 
@@ -228,13 +241,16 @@ def test_the_exchanges_are_used_only_where_every_rank_agrees(launched: dict, wor
 def test_ddp_on_two_ranks_sums_by_one_exchange_and_trains_the_same(launched: dict) -> None:
     ranks = [r["ddp"] for r in launched[2]]
     for d in ranks:
-        assert d["sum_equal"] is True, d  # the exchange's sum is gloo's all-reduce's, bit for bit
+        # the exchange's sum is gloo's all-reduce's, bit for bit, also on receives posted a step ahead
+        assert d["sum_equal"] == [True] * 4, d
+        assert "changed from 1000 torch.float32 elements to 1001" in d["resized"], d  # refused before sending
+        assert d["newer_tag"] is True and d["newer_equal"] == [True] * 3, d  # the given-up receive takes nothing
         assert d["moved"] > 1e-3 and d["diff"] == 0.0, d
         assert d["calls"] == {"1": 3, "0": 0}, d  # one bucket a step, summed by the exchange; none when off
     assert ranks[0]["weight"] == ranks[1]["weight"]  # the replicas stay equal
 
 
-def test_sum_with_peer_refuses_a_group_of_three(launched: dict) -> None:
+def test_peer_sum_refuses_a_group_of_three(launched: dict) -> None:
     for r in launched[3]:
         assert "needs a group of 2 ranks, this one has 3" in r["ddp"]["refused"], r["ddp"]
 

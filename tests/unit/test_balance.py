@@ -90,13 +90,15 @@ class FakeTime:
         return self.now
 
 
-@pytest.mark.parametrize("overlapped, marks, expected", [
-    # DDP: gradients ready at 0.3 of a 1.0 s step, step() called at 0.9: 0.6 s waiting
-    (True, {"ready": 0.3, "called": 0.9, "end": 1.0}, B.StepTimes(compute_s=0.3, idle_s=0.6, step_s=1.0)),
+@pytest.mark.parametrize("overlapped, marks, expected, busy", [
+    # DDP: gradients ready at 0.3 of a 1.0 s step, step() called at 0.9: 0.6 s waiting; busy: the
+    # compute and the optimizer's 0.1 s
+    (True, {"ready": 0.3, "called": 0.9, "end": 1.0}, B.StepTimes(compute_s=0.3, idle_s=0.6, step_s=1.0), 0.4),
     # blocking collectives (local SGD): 0.25 s inside one, counted as idle
-    (False, {"collective": 0.25, "called": 0.5, "end": 1.0}, B.StepTimes(compute_s=0.5, idle_s=0.25, step_s=1.0)),
+    (False, {"collective": 0.25, "called": 0.5, "end": 1.0}, B.StepTimes(compute_s=0.5, idle_s=0.25, step_s=1.0),
+     0.75),
 ])
-def test_step_clock(overlapped, marks, expected):
+def test_step_clock(overlapped, marks, expected, busy):
     fake = FakeTime()
     clock = B.StepClock(overlapped=overlapped, now=fake)
     assert clock.step_ended() is None  # the first step has no start
@@ -113,6 +115,7 @@ def test_step_clock(overlapped, marks, expected):
     assert (got.compute_s, got.idle_s, got.step_s) == pytest.approx((expected.compute_s, expected.idle_s,
                                                                      expected.step_s))
     assert got.idle_fraction == pytest.approx(expected.idle_fraction)
+    assert got.busy_s == pytest.approx(busy)
     assert expected.idle_fraction == pytest.approx(expected.idle_s / expected.step_s)
 
 

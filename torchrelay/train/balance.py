@@ -8,13 +8,17 @@ Contract:
   ``step_called()``/``step_ended()`` (the prepared optimizer's ``step``). A step runs from the
   end of the previous one; its ``compute_s`` until its gradients were ready (DDP) or until
   ``step`` was called, its ``idle_s`` waiting for the all-reduce after that (DDP) or inside the
-  blocking collectives (local SGD, DiLoCo). The first step has no start: no figures.
+  blocking collectives (local SGD, DiLoCo). ``busy_s`` is the step less that wait: its
+  compute and its optimizer step, what this rank itself adds to the step. The first step has
+  no start: no figures.
 - ``Balancer`` (one per process, ``session.balancer``, made by ``balancer_for``): the shares of
   the global batch ``B`` (``set_global_batch``: an even split until calibrated), the batch being
   trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
   (``mine / total``) and its parameters (its samples since the last parameter sync over
-  everyone's) carry, and ``after_step(step, compute_s)``: after the calibration steps and every
-  ``balance_every`` steps, every rank's samples/s over the window is all-reduced, rank 0 decides
+  everyone's) carry, and ``after_step(step, busy_s)``: after the calibration steps and every
+  ``balance_every`` steps, every rank's samples/s over the window (its samples over its
+  ``busy_s``: the optimizer step, slower on a slower rank, delays that rank's next arrival at
+  the all-reduce as its compute does) is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
   a rank's speed left its own spread for good; the first window after calibration refines the
   calibrated split with half the threshold; once, before any rank changed speed, speeds steady
@@ -57,6 +61,11 @@ class StepTimes:
     compute_s: float
     idle_s: float
     step_s: float
+
+    @property
+    def busy_s(self) -> float:
+        """The step less the wait: this rank's compute and optimizer step."""
+        return self.step_s - self.idle_s
 
     @property
     def idle_fraction(self) -> float:
@@ -155,12 +164,12 @@ class Balancer:
     def parameters_synced(self) -> None:
         self._since_sync = [0, 0]
 
-    def after_step(self, step: int, compute_s: float | None) -> bool:
-        """Count the step; re-measure and maybe re-split when due (collective then). True when
-        the shares changed."""
-        if compute_s is not None:
+    def after_step(self, step: int, busy_s: float | None) -> bool:
+        """Count the step (``busy_s``: its time less the wait, None when unknown); re-measure and
+        maybe re-split when due (collective then). True when the shares changed."""
+        if busy_s is not None:
             self._window[0] += self.current[0]
-            self._window[1] += compute_s
+            self._window[1] += busy_s
         if self.shares is None or not S.remeasure_due(step, self.every, self.calibration_steps):
             return False
         mine = self._window[0] / self._window[1] if self._window[1] > 0 else 0.0

@@ -51,8 +51,8 @@ Contract:
   sync. ``step()`` counts the step for the balancer, which re-splits when due (collective).
   ``metrics()`` adds ``share``, ``measured_samples_per_s`` and ``resplits``.
 - ddp on 2 gloo ranks, both on CPU: the last gradient bucket (a small model's only one) is
-  summed by one exchange of the whole bucket (``train.exchange.sum_with_peer_``), not gloo's ring;
-  the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's all-reduce; so does a CPU rank
+  summed by one exchange of the whole bucket (``train.exchange.PeerSum``, its next receive posted
+  a step ahead), not gloo's ring; the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's all-reduce; so does a CPU rank
   beside a GPU one (the ranks agree in ``apply_ddp``, ``train.exchange.agreed``).
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Collective:
         self.total_bytes = 0
         self.clock = clock or StepClock(overlapped=False)  # blocking collectives count as idle
         self.weights = weights  # balanced: each rank's part of an average (else 1 / world)
-        self.sums_by_exchange = False  # ddp's last bucket by train.exchange: set by apply_ddp, agreed by all ranks
+        self.peer_sum: exchange.PeerSum | None = None  # ddp's last bucket on 2 ranks: set by apply_ddp, agreed by all
 
     def count(self, nbytes: int) -> None:
         self.pending_bytes += nbytes
@@ -579,12 +579,13 @@ def _weighted_allreduce_hook(comm, bucket):
     comm.clock.gradients_ready()
     weight = comm.weights.gradient_weight() if comm.weights is not None else 1.0 / comm.world_size
     buffer.mul_(weight)
-    if comm.sums_by_exchange and bucket.is_last():
+    if comm.peer_sum is not None and bucket.is_last():
         # One exchange of the whole bucket instead of gloo's ring, which waits in two steps for both
-        # ranks to be scheduled (measured: docs/benchmarks.md, "#16: the two-rank all-reduce as one exchange").
+        # ranks to be scheduled, its receive posted a step ahead (measured: docs/benchmarks.md, "#16:
+        # the two-rank all-reduce as one exchange" and "#16: the receive posted a step ahead").
         # Only the last bucket: it blocks, and after it backward has nothing left to overlap.
         done = torch.futures.Future()
-        done.set_result(exchange.sum_with_peer_(buffer))
+        done.set_result(comm.peer_sum(buffer))
         return done
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
     return future.then(lambda done: done.value()[0])
@@ -598,7 +599,8 @@ def apply_ddp(model: torch.nn.Module, ctx: Context, comm: Collective) -> torch.n
     device = torch.device(ctx.device)
     device_ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids)
-    comm.sums_by_exchange = comm.world_size == 2 and exchange.agreed(on_cpu=device.type == "cpu")
+    if comm.world_size == 2 and exchange.agreed(on_cpu=device.type == "cpu"):
+        comm.peer_sum = exchange.PeerSum()
     ddp.register_comm_hook(comm, _weighted_allreduce_hook)
     return ddp
 
