@@ -52,8 +52,9 @@ Contract:
   ``metrics()`` adds ``share``, ``measured_samples_per_s`` and ``resplits``.
 - ddp on 2 gloo ranks, both on CPU: the last gradient bucket (a small model's only one) is
   summed by one exchange of the whole bucket (``train.exchange.PeerSum``, its next receive posted
-  a step ahead), not gloo's ring; the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's all-reduce; so does a CPU rank
-  beside a GPU one (the ranks agree in ``apply_ddp``, ``train.exchange.agreed``).
+  a step ahead), not gloo's ring; the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's
+  all-reduce; so does a CPU rank beside a GPU one (the ranks agree in ``apply_ddp``,
+  ``train.exchange.agreed``).
 """
 from __future__ import annotations
 
