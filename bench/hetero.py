@@ -50,8 +50,8 @@ windows) is mostly compute, as a training step usually is.
 
 Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
 balanced / plain, "time_to_loss_ratio": balanced / plain (balanced and solo: the means of their
-two runs), "equal_pair_vs_sum_solo": the equal pair's plain ddp / its solos, "resettle_steps": steps from the lift
-to the last re-split (balance_every K is printed beside it)}``.
+two runs), "resettle_steps": steps from the lift to the last re-split (balance_every K is printed
+beside it), "equal_pair_vs_sum_solo": the equal pair's plain ddp / its solos}``.
 """
 from __future__ import annotations
 
@@ -182,6 +182,11 @@ def run_job(client, code: Path, args, *, strategy: dict, workers: int, label: st
     row = json.loads(line.split(" ", 1)[1])
     row["idle"] = idle_by_rank(points)
     return row, points
+
+
+def idle_text(idle: dict[int, float]) -> str:
+    """``idle_by_rank``'s figures as "0: 12%, 1: 8%" ("-" when none)."""
+    return ", ".join(f"{rank}: {fraction:.0%}" for rank, fraction in idle.items()) or "-"
 
 
 def idle_by_rank(points: list, after_step: int = 20) -> dict[int, float]:
@@ -353,8 +358,7 @@ def main(argv=None) -> None:
     print(f"{'run':<20} {'samples/s':>10} {'time to loss':>14}   idle in the all-reduce, by rank")
     for name, row in rows.items():
         ttl = f"{row['time_to_loss_s']:.2f} s" if row["time_to_loss_s"] is not None else "not reached"
-        idle = ", ".join(f"{rank}: {fraction:.0%}" for rank, fraction in row["idle"].items()) or "-"
-        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}   {idle}")
+        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}   {idle_text(row['idle'])}")
     solo_sums = [rows[f"solo fast{n}"]["samples_per_s"] + rows[f"solo slow{n}"]["samples_per_s"] for n in ("", " 2")]
     balanced_rates = [rows[name]["samples_per_s"] for name in ("balanced ddp", "balanced ddp 2")]
     solo_sum, balanced_rate = mean(solo_sums), mean(balanced_rates)
@@ -385,7 +389,7 @@ def main(argv=None) -> None:
           f"(goal <= 2K = {2 * EVERY})")
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
-          f"(idle {', '.join(f'{rank}: {fraction:.0%}' for rank, fraction in equal['idle'].items())}); "
+          f"(idle {idle_text(equal['idle'])}); "
           f"the balanced pair reaches {result['vs_sum_solo'] / equal['ratio']:.3f} of that")
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(result_line(result, versions))
