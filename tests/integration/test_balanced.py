@@ -115,7 +115,7 @@ def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.
     """The balancer's shares after each of ``steps`` steps, over real collectives, with compute
     times that say rank 0 trains 100 samples/s and rank 1 ``calibrated`` in the calibration
     steps, ``after`` later (or ``rank1_speed(step)``)."""
-    from torchrelay.train.balance import Balancer
+    from torchrelay.train.balance import Balancer, StepTimes
 
     balancer = Balancer(rank=rank, world=2, every=20, threshold=0.1)
     balancer.set_global_batch(GLOBAL_BATCH)
@@ -124,7 +124,9 @@ def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.
         share = balancer.share
         balancer.on_batch(share, GLOBAL_BATCH)
         speed = 100.0 if rank == 0 else rank1_speed(step) if rank1_speed else (calibrated if step <= 3 else after)
-        balancer.after_step(step, None if step == 1 else share / speed)  # the first step has no start
+        busy = share / speed
+        times = None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy)  # the first has no start
+        balancer.after_step(step, times)
         history.append(list(balancer.shares))
     return history
 

@@ -78,8 +78,19 @@ def test_after_step_in_a_world_of_one_process_decides_without_collectives():
     b = balancer(rank=0, world=1, every=2, calibration_steps=1)
     b.set_global_batch(8)
     b.on_batch(8, 8)
-    assert b.after_step(1, 0.5) is False and b.speeds == (16.0,)
+    assert b.after_step(1, B.StepTimes(compute_s=0.5, idle_s=0.0, step_s=0.5)) is False and b.speeds == (16.0,)
     assert b.metrics() == {"share": 8.0, "resplits": 0.0, "measured_samples_per_s": 16.0}
+
+
+def test_a_rank_s_speed_is_its_samples_over_its_busy_time():
+    """Busy time: the step less its wait (compute and optimizer step), not the compute alone."""
+    b = balancer(rank=0, world=1, every=2, calibration_steps=2)
+    b.set_global_batch(8)
+    b.on_batch(8, 8)
+    assert b.after_step(1, None) is False and b.speeds is None  # the first step has no times
+    # 0.3 s computing, 0.5 s waiting in the all-reduce, 0.2 s in the optimizer's step: 0.5 s busy
+    b.after_step(2, B.StepTimes(compute_s=0.3, idle_s=0.5, step_s=1.0))
+    assert b.speeds == pytest.approx((16.0,))
 
 
 class FakeTime:

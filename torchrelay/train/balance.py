@@ -15,10 +15,10 @@ Contract:
   the global batch ``B`` (``set_global_batch``: an even split until calibrated), the batch being
   trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
   (``mine / total``) and its parameters (its samples since the last parameter sync over
-  everyone's) carry, and ``after_step(step, busy_s)``: after the calibration steps and every
-  ``balance_every`` steps, every rank's samples/s over the window (its samples over its
-  ``busy_s``: the optimizer step, slower on a slower rank, delays that rank's next arrival at
-  the all-reduce as its compute does) is all-reduced, rank 0 decides
+  everyone's) carry, and ``after_step(step, times)`` (the step's ``StepTimes``): after the
+  calibration steps and every ``balance_every`` steps, every rank's samples/s over the window
+  (its samples over its ``busy_s``: the optimizer step, slower on a slower rank, delays that
+  rank's next arrival at the all-reduce as its compute does) is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
   a rank's speed left its own spread for good; the first window after calibration refines the
   calibrated split with half the threshold; once, before any rank changed speed, speeds steady
@@ -130,7 +130,7 @@ class Balancer:
         self.resplits = 0
         self.speeds: tuple[float, ...] | None = None  # samples/s of every rank, last measured
         self.current = (0, 0)  # (this rank's samples, everyone's) of the batch being trained
-        self._window = [0, 0.0]  # this rank's samples and compute seconds since the last measurement
+        self._window = [0, 0.0]  # this rank's samples and busy seconds since the last measurement
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
@@ -164,12 +164,13 @@ class Balancer:
     def parameters_synced(self) -> None:
         self._since_sync = [0, 0]
 
-    def after_step(self, step: int, busy_s: float | None) -> bool:
-        """Count the step (``busy_s``: its time less the wait, None when unknown); re-measure and
-        maybe re-split when due (collective then). True when the shares changed."""
-        if busy_s is not None:
+    def after_step(self, step: int, times: StepTimes | None) -> bool:
+        """Count the step (``times``: its clock, None when unknown; its ``busy_s`` is what this
+        rank's speed is measured over); re-measure and maybe re-split when due (collective then).
+        True when the shares changed."""
+        if times is not None:
             self._window[0] += self.current[0]
-            self._window[1] += busy_s
+            self._window[1] += times.busy_s
         if self.shares is None or not S.remeasure_due(step, self.every, self.calibration_steps):
             return False
         mine = self._window[0] / self._window[1] if self._window[1] > 0 else 0.0

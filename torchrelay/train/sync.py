@@ -457,7 +457,7 @@ class SyncOptimizer(torch.optim.Optimizer, StrategyOptimizer):
         if self.balancer is not None:
             if divergence is not None:
                 self.balancer.parameters_synced()
-            self.balancer.after_step(k, times.compute_s if times is not None else None)
+            self.balancer.after_step(k, times)
             self.clock.restart()  # a re-measurement is not the next step's compute
         self._record(divergence)
         return loss
