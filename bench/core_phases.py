@@ -1,9 +1,10 @@
 """How steady this machine's cores are: what a synchronous pair loses to them, with no framework.
 
 One fixed training step (the char LM of examples/charlm, 32 windows of 64 characters, forward,
-backward and an Adam step, one thread) is timed step by step: first in one process alone on
-core 0, then in two processes at once, one on core 0 and one on core 1. Nothing of torchrelay
-runs: no server, no agents, no collectives. The figures:
+backward and an Adam step, one thread) is timed step by step: first in one process alone on the
+first core this process may use, then in two processes at once, one on each of the first two
+(cores 0 and 1 on an unrestricted machine). Nothing of torchrelay runs: no server, no agents, no
+collectives. The figures:
 
 - each process's median step and the fraction of its steps in a *slow phase* (more than 1.25 ×
   the alone run's median);
@@ -99,33 +100,37 @@ def main(argv=None) -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds of each run")
     parser.add_argument("--bin", type=float, default=0.25, help="seconds of a bin for the pair's figures")
     args = parser.parse_args(argv)
-    if len(os.sched_getaffinity(0)) < 2:
-        sys.exit(f"core_phases needs 2 cores; this process may use {len(os.sched_getaffinity(0))}")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        sys.exit(f"core_phases needs 2 cores; this process may use {len(cores)}")
     versions = package_versions(("torch",))
     print(header_line(versions))
     print(f"load average {os.getloadavg()[0]:.1f}; the char LM's step at 32 windows, one thread a process, "
-          f"{args.seconds:.0f} s alone on core 0, then {args.seconds:.0f} s on cores 0 and 1 at once")
+          f"{args.seconds:.0f} s alone on core {cores[0]}, then {args.seconds:.0f} s on cores {cores[0]} and "
+          f"{cores[1]} at once")
     with tempfile.TemporaryDirectory(prefix="relay-core-phases-") as tmp:
-        (alone,) = run_steppers([0], args.seconds, Path(tmp))
-        pair = run_steppers([0, 1], args.seconds, Path(tmp))
+        (alone,) = run_steppers(cores[:1], args.seconds, Path(tmp))
+        pair = run_steppers(cores, args.seconds, Path(tmp))
     alone_median = statistics.median(s for _, s in alone)
 
     def slow_fraction(steps) -> float:
         return sum(1 for _, s in steps if s > SLOW * alone_median) / len(steps)
 
     sync, correlation = pair_figures(pair[0], pair[1], args.bin)
-    pair_steps = [s for steps in pair for _, s in steps]
+    both = pair[0] + pair[1]
     print(f"{'run':<16} {'steps':>6} {'median':>9} {'p90':>9} {'slow phase':>11}")
-    for name, steps in (("alone, core 0", alone), ("pair, core 0", pair[0]), ("pair, core 1", pair[1])):
+    runs = ((f"alone, core {cores[0]}", alone), (f"pair, core {cores[0]}", pair[0]),
+            (f"pair, core {cores[1]}", pair[1]))
+    for name, steps in runs:
         seconds = sorted(s for _, s in steps)
         print(f"{name:<16} {len(steps):>6} {1000 * statistics.median(seconds):>7.1f}ms "
               f"{1000 * seconds[9 * len(seconds) // 10]:>7.1f}ms {slow_fraction(steps):>10.0%}")
     print(f"two synchronous workers / two independent ones, {args.bin} s bins: {sync:.3f}; "
           f"the cores' bin means correlate {correlation:.2f}")
     result = {"alone_median_ms": round(1000 * alone_median, 1),
-              "pair_median_ms": round(1000 * statistics.median(pair_steps), 1),
+              "pair_median_ms": round(1000 * statistics.median(s for _, s in both), 1),
               "slow_fraction_alone": round(slow_fraction(alone), 3),
-              "slow_fraction_pair": round(slow_fraction([x for steps in pair for x in steps]), 3),
+              "slow_fraction_pair": round(slow_fraction(both), 3),
               "sync_vs_independent": round(sync, 3), "core_correlation": round(correlation, 2)}
     print(result_line(result, versions))
 
