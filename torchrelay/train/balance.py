@@ -20,9 +20,12 @@ Contract:
   (its samples over its ``busy_s``: the optimizer step, slower on a slower rank, delays that
   rank's next arrival at the all-reduce as its compute does) is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
-  a rank's speed left its own spread for good; the first window after calibration refines the
-  calibrated split with half the threshold; once, before any rank changed speed, speeds steady
-  over several windows may move it by a quarter of the threshold, ``shares.fine_resplit``) and
+  a rank's speed left its own spread for good; the first window after a move made from a
+  window (calibration's, or a changed speed's) refines it with half the threshold, because that
+  window was measured at the old shares and a rank's samples/s grows with its share, a step's
+  fixed costs spread over more samples; a refinement is not refined again; once, before any
+  rank changed speed, speeds steady over several windows may move it by a quarter of the
+  threshold, ``shares.fine_resplit``) and
   broadcasts the shares, which the next batch uses. Collective at those steps (every rank
   calls ``after_step`` at every step: the prepared optimizer does).
   ``state_dict``/``load_state_dict``: shares, global batch, the re-split count (``TrainState``
@@ -134,7 +137,7 @@ class Balancer:
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
-        self._refining = False  # the next comparison is the first after calibration moved the shares
+        self._refining = False  # rank 0: the next comparison is the first after a move made from a window
         self._fine_due = True  # rank 0: the fine move may still come (not yet made, no speed changed)
 
     def set_global_batch(self, global_batch: int) -> None:
@@ -180,13 +183,12 @@ class Balancer:
         if self.world > 1:
             dist.all_reduce(speeds)
         self.speeds = tuple(float(x) for x in speeds)
-        new = None
+        new, fine = None, False
         if self.rank == 0:
             speed_changed = self._bands.observe(self.speeds)
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
                                        refining=self._refining)
             new, self._pending = outcome.shares, outcome.pending
-            fine = False
             if new is not None and new != self.shares:
                 if step > self.calibration_steps and not self._refining:
                     self._fine_due = False  # a worker changed speed: this split comes from a whole window
@@ -203,7 +205,8 @@ class Balancer:
         changed = shares != self.shares
         self.shares = shares
         self.resplits += changed
-        self._refining = changed and step == self.calibration_steps
+        # a move made from a window is refined by the next one (measured at the new shares), once
+        self._refining = changed and not fine and not self._refining
         return changed
 
     def metrics(self) -> dict[str, float]:

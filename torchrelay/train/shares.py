@@ -12,18 +12,22 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   (``changed``: speed_bands.py); else none. This is the hysteresis: speeds that wobble by less
   than the threshold never move the shares, a single noisy window cannot either, and after a
   re-split the same speeds predict no gain, so the shares cannot flip back and forth between
-  two roundings. With ``refining`` (the first comparison after calibration) half the threshold
-  moves the shares at once: calibration measured a couple of steps at an even split, this
-  window ``balance_every`` steps at the split in use, and a calibration a few samples off would
-  otherwise stay off for good whenever fixing it gains under the threshold (measured: 41 + 23
-  instead of 43 + 21, the fast rank idle 15 % of every step).
+  two roundings. With ``refining`` (the first comparison after a move made from a window:
+  calibration's, or one after a rank changed speed) half the threshold moves the shares at once.
+  The window that moved them was measured at the old shares (calibration: a couple of steps at an
+  even split), and a rank's samples/s grows with its share, since a step's fixed costs (forward
+  and backward overheads, the optimizer's step) spread over more samples. So a move undershoots,
+  and a split a few samples off would otherwise stay off for good whenever fixing it gains under
+  the threshold (measured: 41 + 23 instead of 43 + 21 after calibration, the fast rank idle 15 %
+  of every step; a lifted worker moved from 21 to 26 samples of 64, not about 32, for 80 steps).
+  The balancer refines a move once: a refinement is not refined again, so this cannot chain.
 - ``fine_resplit(shares, steady_speeds, threshold)``: the shares in proportion to speeds measured
   over several windows in a row (``SpeedBands.steady_speeds``) when they predict a step at least
   a quarter of ``threshold`` faster; else None. The balancer takes at most one such move, and
   only before any rank changed speed: so a split left a sample or two off by calibration
   (measured: 22 + 42 where the solo speeds asked for 21 + 43; the rounding cost 6 % of every
   step) is put right once the speeds have been steady for a while, the fine move can never flip
-  back and forth, and settling after a change stays one move.
+  back and forth, and settling after a change stays a move and its refinement.
 - ``step_split(num_samples, global_batch, step, shares, drop_last)``: the global batch of
   ``step`` of an epoch is ``order[step*B : step*B + B]`` whatever the shares are; rank ``r``
   takes the ``shares[r]`` samples after the first ``sum(shares[:r])``. The last, short batch
@@ -108,8 +112,8 @@ def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: fl
     ``threshold`` and that only when the previous comparison proposed a move the same way
     (``pending``: a drift that persists, not one window's noise) or when ``changed`` says a
     rank's speed left its own band two windows in a row (``SpeedBands.observe``); below
-    ``threshold``, never. ``refining`` (the first comparison after calibration): at least half
-    ``threshold`` faster, at once. A rank without a measured speed (0) keeps the split as it is."""
+    ``threshold``, never. ``refining`` (the first comparison after a move made from a window):
+    at least half ``threshold`` faster, at once. A rank without a measured speed (0) keeps the split as it is."""
     proposal = _proportional_proposal(shares, speeds)
     if proposal is None:
         return Resplit()
