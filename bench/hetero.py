@@ -51,7 +51,10 @@ windows) is mostly compute, as a training step usually is.
 Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
 balanced / plain, "time_to_loss_ratio": balanced / plain (balanced and solo: the means of their
 two runs), "resettle_steps": steps from the lift to the last re-split (balance_every K is printed
-beside it), "equal_pair_vs_sum_solo": the equal pair's plain ddp / its solos}``.
+beside it), "first_move_steps": steps from the lift to the first re-split, "settled_idle_gap": after
+the last re-split, the difference between the two ranks' mean fraction of a step spent waiting
+in the all-reduce (0 when the split leaves neither waiting for the other), "equal_pair_vs_sum_solo":
+the equal pair's plain ddp / its solos}``.
 """
 from __future__ import annotations
 
@@ -256,14 +259,17 @@ def run_solos(address: str, code: Path, args) -> dict[str, dict]:
         return {f"solo {label}": run.result() for label, run in runs.items()}
 
 
-def settle_steps(points: list, lifted_at: float) -> tuple[int | None, list]:
-    """Steps from the first step after the lift to rank 0's last change of share after it."""
+def settle_steps(points: list, lifted_at: float) -> tuple[int | None, int | None, list]:
+    """Steps from the first step after the lift to rank 0's first and to its last change of share
+    after it (0 when none), and the steps of those changes; (None, None, []) when no step ran after it."""
     mine = sorted((p for p in points if p.rank == 0 and "share" in p.values), key=lambda p: p.step)
     after = [p for p in mine if p.time >= lifted_at]
     if not after:
-        return None, []
+        return None, None, []
     changes = [b.step for a, b in zip(mine, mine[1:]) if b.values["share"] != a.values["share"] and b.time >= lifted_at]
-    return (changes[-1] - after[0].step if changes else 0), changes
+    if not changes:
+        return 0, 0, []
+    return changes[0] - after[0].step, changes[-1] - after[0].step, changes
 
 
 def remeasures(points: list) -> list[tuple[int, tuple, tuple]]:
@@ -350,7 +356,8 @@ def main(argv=None) -> None:
 
             rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,
                                                               label=None, steps=args.lift_steps, on_point=lift_at_step)
-        resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
+        first_move, resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
+        settled_idle = idle_by_rank(lifted_points, after_step=changes[-1]) if changes else {}
         equal = equal_pair(cluster, code, args)
     finally:
         stop_cluster(cluster.home)
@@ -368,7 +375,9 @@ def main(argv=None) -> None:
     ttl_p = rows["plain ddp"]["time_to_loss_s"]
     result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
-              "resettle_steps": resettle, "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
+              "resettle_steps": resettle, "first_move_steps": first_move,
+              "settled_idle_gap": round(abs(settled_idle[0] - settled_idle[1]), 3) if len(settled_idle) == 2 else None,
+              "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
     print(f"solo fast + solo slow: {solo_sums[0]:.0f} before, {solo_sums[1]:.0f} after; "
           f"balanced: {balanced_rates[0]:.0f} and {balanced_rates[1]:.0f}")
     for n, (points, rate) in enumerate(zip(balanced_points, balanced_rates), 1):
@@ -385,8 +394,9 @@ def main(argv=None) -> None:
           f"the slow worker was lifted to 1 cpu when step {lift['step']} was seen:")
     print("  " + "; ".join(f"{step}: {split[0]}+{split[1]} / {speeds[0]}, {speeds[1]}"
                            for step, split, speeds in remeasures(lifted_points)))
-    print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; settled {resettle} steps after "
-          f"(goal <= 2K = {2 * EVERY})")
+    print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; first {first_move} and last {resettle} "
+          f"steps after (goal <= 2K = {2 * EVERY}); after the last change, idle in the all-reduce "
+          f"{idle_text(settled_idle)} (the gap between the ranks: the split's imbalance)")
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
           f"(idle {idle_text(equal['idle'])}); "
