@@ -53,7 +53,8 @@ balanced / plain, "time_to_loss_ratio": balanced / plain (balanced and solo: the
 two runs), "resettle_steps": steps from the lift to the last re-split (balance_every K is printed
 beside it), "first_move_steps": steps from the lift to the first re-split, "settled_idle_gap": after
 the last re-split, the difference between the two ranks' mean fraction of a step spent waiting
-in the all-reduce (0 when the split leaves neither waiting for the other), "equal_pair_vs_sum_solo":
+in the all-reduce (0 when the split leaves neither waiting for the other), "settled_samples_per_s":
+the lifted run's throughput after its last re-split (rank 0's report times), "equal_pair_vs_sum_solo":
 the equal pair's plain ddp / its solos}``.
 """
 from __future__ import annotations
@@ -272,6 +273,15 @@ def settle_steps(points: list, lifted_at: float) -> tuple[int | None, int | None
     return changes[0] - after[0].step, changes[-1] - after[0].step, changes
 
 
+def rate_after(points: list, step: int, global_batch: int) -> float | None:
+    """Samples/s of the global batch over rank 0's steps after ``step`` (the times its reports
+    carry); None with fewer than two such steps."""
+    mine = sorted((p for p in points if p.rank == 0 and p.step > step), key=lambda p: p.step)
+    if len(mine) < 2 or mine[-1].time <= mine[0].time:
+        return None
+    return (mine[-1].step - mine[0].step) * global_batch / (mine[-1].time - mine[0].time)
+
+
 def remeasures(points: list) -> list[tuple[int, tuple, tuple]]:
     """(step, shares, measured samples/s), by rank, at each re-measurement where either changed."""
     by_step: dict[int, dict[int, tuple[float, float]]] = {}
@@ -358,6 +368,7 @@ def main(argv=None) -> None:
                                                               label=None, steps=args.lift_steps, on_point=lift_at_step)
         first_move, resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
         settled_idle = idle_by_rank(lifted_points, after_step=changes[-1]) if changes else {}
+        settled_rate = rate_after(lifted_points, changes[-1], args.batch) if changes else None
         equal = equal_pair(cluster, code, args)
     finally:
         stop_cluster(cluster.home)
@@ -377,6 +388,7 @@ def main(argv=None) -> None:
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
               "resettle_steps": resettle, "first_move_steps": first_move,
               "settled_idle_gap": round(abs(settled_idle[0] - settled_idle[1]), 3) if len(settled_idle) == 2 else None,
+              "settled_samples_per_s": round(settled_rate) if settled_rate else None,
               "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
     print(f"solo fast + solo slow: {solo_sums[0]:.0f} before, {solo_sums[1]:.0f} after; "
           f"balanced: {balanced_rates[0]:.0f} and {balanced_rates[1]:.0f}")
@@ -396,7 +408,8 @@ def main(argv=None) -> None:
                            for step, split, speeds in remeasures(lifted_points)))
     print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; first {first_move} and last {resettle} "
           f"steps after (goal <= 2K = {2 * EVERY}); after the last change, idle in the all-reduce "
-          f"{idle_text(settled_idle)} (the gap between the ranks: the split's imbalance)")
+          f"{idle_text(settled_idle)} (the gap between the ranks: the split's imbalance), "
+          f"{settled_rate or 0:.0f} samples/s")
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
           f"(idle {idle_text(equal['idle'])}); "
