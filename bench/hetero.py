@@ -409,7 +409,7 @@ def main(argv=None) -> None:
     print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; first {first_move} and last {resettle} "
           f"steps after (goal <= 2K = {2 * EVERY}); after the last change, idle in the all-reduce "
           f"{idle_text(settled_idle)} (the gap between the ranks: the split's imbalance), "
-          f"{settled_rate or 0:.0f} samples/s")
+          + (f"{settled_rate:.0f} samples/s" if settled_rate else "no throughput (no re-split after the lift)"))
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
           f"(idle {idle_text(equal['idle'])}); "
