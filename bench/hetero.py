@@ -47,6 +47,12 @@ is a third of it and bounds what any split can reach; the char LM's step (about 
 windows) is mostly compute, as a training step usually is.
 
     sudo .venv/bin/python bench/hetero.py [--model charlm|digits] [--steps 300] [--batch B]
+    sudo .venv/bin/python bench/hetero.py --only lifted --repeat 8
+
+``--only lifted`` runs nothing but the lifted run, ``--repeat`` times on one cluster (a few
+minutes for eight): settling is one figure per run and the lift falls at a different point of a
+window each time, so comparing two versions of the balancer needs many lifts, not many solos.
+It ends with ``RESULT`` holding each of the four settling figures below as a list, one per run.
 
 Ends with ``RESULT {"vs_sum_solo": balanced / (solo fast + solo slow), "vs_equal_split":
 balanced / plain, "time_to_loss_ratio": balanced / plain (balanced and solo: the means of their
@@ -62,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -145,7 +152,14 @@ def parse_args(argv=None):
                         help="run the two solo jobs at once (the pair's contention) or one after the other")
     parser.add_argument("--batch", type=int, default=None, help="the global batch (charlm: 64 windows; digits: 128)")
     parser.add_argument("--target-loss", type=float, default=None, help="charlm: 2.5; digits: 0.35")
+    parser.add_argument("--only", choices=("all", "lifted"), default="all",
+                        help="every run (the default), or only the lifted run, --repeat times")
+    parser.add_argument("--repeat", type=int, default=1, help="with --only lifted: how many lifted runs")
+    parser.add_argument("--lift-seed", type=int, default=0,
+                        help="run n is lifted at step lift_steps // 3 + a draw in [0, K) seeded by lift-seed + n")
     args = parser.parse_args(argv)
+    if args.repeat < 1 or (args.repeat > 1 and args.only != "lifted"):
+        parser.error(f"--repeat {args.repeat}: give a count of at least 1, and more than 1 only with --only lifted")
     for name, value in DEFAULTS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -322,6 +336,73 @@ def equal_pair(cluster, code: Path, args) -> dict[str, float]:
             "ratio": pair["samples_per_s"] / mean(sums)}
 
 
+BALANCED = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
+
+
+def lifted_run(cluster, code: Path, args, n: int = 0) -> tuple[dict, dict]:
+    """Balanced run ``n`` whose slow agent is lifted to 1 cpu once a step past ``lift_steps // 3``
+    plus a draw in [0, K) is seen (seeded by ``--lift-seed`` + n: the lift falls at a different
+    point of a window in each run, and at the same one for the same seed, whichever balancer
+    runs), and set back to 0.5 cpu after it. Its BENCH row, and a dict of what settling looked
+    like (``step`` it was lifted at, ``first_move``, ``resettle``, ``changes``, ``settled_idle``,
+    ``settled_rate``, ``points``)."""
+    from torchrelay.client.sdk import RelayClient
+
+    set_cpus(cluster.pids[2], 0.5)
+    lift = {"at": None, "step": None}
+    lift_step = args.lift_steps // 3 + random.Random(args.lift_seed + n).randrange(EVERY)
+
+    def lift_at_step(point) -> None:
+        if lift["at"] is None and point.step >= lift_step:
+            set_cpus(cluster.pids[2], 1.0)
+            lift["at"], lift["step"] = time.time(), point.step
+
+    try:
+        with RelayClient(cluster.address) as client:
+            row, points = run_job(client, code, args, strategy=BALANCED, workers=2, label=None,
+                                  steps=args.lift_steps, on_point=lift_at_step)
+    finally:
+        set_cpus(cluster.pids[2], 0.5)
+    first_move, resettle, changes = settle_steps(points, lift["at"] or float("inf"))
+    return row, {"step": lift["step"], "first_move": first_move, "resettle": resettle, "changes": changes,
+                 "settled_idle": idle_by_rank(points, after_step=changes[-1]) if changes else {},
+                 "settled_rate": rate_after(points, changes[-1], args.batch) if changes else None,
+                 "points": points}
+
+
+def idle_gap(settled_idle: dict[int, float]) -> float | None:
+    return round(abs(settled_idle[0] - settled_idle[1]), 3) if len(settled_idle) == 2 else None
+
+
+def print_lifted(lifted: dict) -> None:
+    """The lifted run's re-measurements and settling, as lines."""
+    print(f"lifted run, at each re-measurement (step: shares of ranks 0, 1 / their measured samples/s); "
+          f"the slow worker was lifted to 1 cpu when step {lifted['step']} was seen:")
+    print("  " + "; ".join(f"{step}: {split[0]}+{split[1]} / {speeds[0]}, {speeds[1]}"
+                           for step, split, speeds in remeasures(lifted["points"])))
+    rate = lifted["settled_rate"]
+    print(f"slow worker lifted to 1 cpu; shares changed at steps {lifted['changes']}; first {lifted['first_move']} "
+          f"and last {lifted['resettle']} steps after (goal <= 2K = {2 * EVERY}); after the last change, idle in "
+          f"the all-reduce {idle_text(lifted['settled_idle'])} (the gap between the ranks: the split's imbalance), "
+          + (f"{rate:.0f} samples/s" if rate else "no throughput (no re-split after the lift)"))
+
+
+def main_lifted(cluster, code: Path, args, versions: dict) -> None:
+    """``--only lifted``: the lifted run ``--repeat`` times; RESULT holds each figure as a list."""
+    runs = []
+    for n in range(1, args.repeat + 1):
+        print(f"lifted run {n} of {args.repeat}")
+        runs.append(lifted_run(cluster, code, args, n)[1])
+        print_lifted(runs[-1])
+    result = {"resettle_steps": [r["resettle"] for r in runs], "first_move_steps": [r["first_move"] for r in runs],
+              "settled_idle_gap": [idle_gap(r["settled_idle"]) for r in runs],
+              "settled_samples_per_s": [round(r["settled_rate"]) if r["settled_rate"] else None for r in runs]}
+    within = sum(1 for r in runs if r["resettle"] is not None and r["resettle"] <= 2 * EVERY)
+    print(f"resettle_steps within 2K = {2 * EVERY}: {within} of {len(runs)}")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(result_line(result, versions))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from torchrelay.client.cluster import AgentOptions, start_cluster, stop_cluster
@@ -343,12 +424,14 @@ def main(argv=None) -> None:
         slow_dir = agent_cpu_dir(cluster.pids[2])
         quota = int((slow_dir / "cpu.cfs_quota_us").read_text()) / int((slow_dir / "cpu.cfs_period_us").read_text())
         assert quota == 0.5, f"no 0.5 cpu quota in {slow_dir} ({quota} cpu)"
+        if args.only == "lifted":
+            main_lifted(cluster, code, args, versions)
+            return
         rows = run_solos(cluster.address, code, args)
-        balanced = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
         balanced_points = []
         with RelayClient(cluster.address) as client:
             for name in ("balanced ddp", "plain ddp", "balanced ddp 2"):
-                strategy = {"kind": "ddp"} if name.startswith("plain") else balanced
+                strategy = {"kind": "ddp"} if name.startswith("plain") else BALANCED
                 rows[name], points = run_job(client, code, args, strategy=strategy, workers=2, label=None,
                                              steps=args.steps)
                 if name.startswith("balanced"):
@@ -356,19 +439,7 @@ def main(argv=None) -> None:
         rows.update({f"{name} 2": row for name, row in run_solos(cluster.address, code, args).items()})
         shares = [sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
                   for points in balanced_points]
-        with RelayClient(cluster.address) as client:
-            lift = {"at": None, "step": None}
-
-            def lift_at_step(point) -> None:
-                if lift["at"] is None and point.step >= args.lift_steps // 3:
-                    set_cpus(cluster.pids[2], 1.0)
-                    lift["at"], lift["step"] = time.time(), point.step
-
-            rows["balanced, lifted"], lifted_points = run_job(client, code, args, strategy=balanced, workers=2,
-                                                              label=None, steps=args.lift_steps, on_point=lift_at_step)
-        first_move, resettle, changes = settle_steps(lifted_points, lift["at"] or float("inf"))
-        settled_idle = idle_by_rank(lifted_points, after_step=changes[-1]) if changes else {}
-        settled_rate = rate_after(lifted_points, changes[-1], args.batch) if changes else None
+        rows["balanced, lifted"], lifted = lifted_run(cluster, code, args)
         equal = equal_pair(cluster, code, args)
     finally:
         stop_cluster(cluster.home)
@@ -386,9 +457,9 @@ def main(argv=None) -> None:
     ttl_p = rows["plain ddp"]["time_to_loss_s"]
     result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
-              "resettle_steps": resettle, "first_move_steps": first_move,
-              "settled_idle_gap": round(abs(settled_idle[0] - settled_idle[1]), 3) if len(settled_idle) == 2 else None,
-              "settled_samples_per_s": round(settled_rate) if settled_rate else None,
+              "resettle_steps": lifted["resettle"], "first_move_steps": lifted["first_move"],
+              "settled_idle_gap": idle_gap(lifted["settled_idle"]),
+              "settled_samples_per_s": round(lifted["settled_rate"]) if lifted["settled_rate"] else None,
               "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
     print(f"solo fast + solo slow: {solo_sums[0]:.0f} before, {solo_sums[1]:.0f} after; "
           f"balanced: {balanced_rates[0]:.0f} and {balanced_rates[1]:.0f}")
@@ -402,14 +473,7 @@ def main(argv=None) -> None:
     print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
     print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
     print(f"rank 0's shares in the balanced runs after step 40: {shares[0]} and {shares[1]}")
-    print(f"lifted run, at each re-measurement (step: shares of ranks 0, 1 / their measured samples/s); "
-          f"the slow worker was lifted to 1 cpu when step {lift['step']} was seen:")
-    print("  " + "; ".join(f"{step}: {split[0]}+{split[1]} / {speeds[0]}, {speeds[1]}"
-                           for step, split, speeds in remeasures(lifted_points)))
-    print(f"slow worker lifted to 1 cpu; shares changed at steps {changes}; first {first_move} and last {resettle} "
-          f"steps after (goal <= 2K = {2 * EVERY}); after the last change, idle in the all-reduce "
-          f"{idle_text(settled_idle)} (the gap between the ranks: the split's imbalance), "
-          + (f"{settled_rate:.0f} samples/s" if settled_rate else "no throughput (no re-split after the lift)"))
+    print_lifted(lifted)
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
           f"(idle {idle_text(equal['idle'])}); "

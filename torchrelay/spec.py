@@ -102,10 +102,10 @@ class _Balanced(_Strict):
     """``balance: throughput``: each rank's local batch in proportion to its measured samples/s,
     the global batch unchanged (docs/heterogeneous.md). ``balance_every``: steps between
     re-measurements (K); ``balance_threshold``: the least predicted gain in step time that
-    moves the shares (the hysteresis; half of it in the first window after a move made from a
-    window, calibration's or a changed speed's; a quarter for one move on speeds steady over
-    three windows before any changed), and the least relative move of a rank's speed that can
-    count as a real change of it."""
+    moves the shares (the hysteresis; half of it in the window after a move made from a
+    window, calibration's or a changed speed's, a window of K/2 steps; a quarter for one move
+    on speeds steady over three windows before any changed), and the least relative move of a
+    rank's speed that can count as a real change of it."""
 
     balance: Literal["none", "throughput"] = "none"
     balance_every: int = Field(default=20, ge=1)

@@ -244,11 +244,12 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
         result = {"gradients": scenario_gradients(rank, x, y), "coverage": scenario_coverage(rank, x, y),
                   "local_sgd": scenario_local_sgd(rank, x, y), "diloco": scenario_local_sgd(rank, x, y, "diloco"),
                   "idle": scenario_idle(rank, x, y), "calibration": scenario_calibration(rank),
-                  "fine": scenario_calibration(rank, calibrated=42.0, after=40.0, steps=103),
+                  "fine": scenario_calibration(rank, calibrated=33.0, after=40.0, steps=103),
+                  "carried_on": scenario_calibration(rank, calibrated=42.0, after=40.0, steps=43),
                   "refined_after_change": scenario_calibration(rank, steps=143, rank1_speed=lambda s: (
-                      42.0 if s <= 3 else 40.0 if s <= 23 else 30.0 if s <= 33 else 26.0)),
+                      40.0 if s <= 33 else 30.0 if s <= 43 else 26.0)),
                   "fine_after_change": scenario_calibration(rank, steps=143, rank1_speed=lambda s: (
-                      42.0 if s <= 3 else 40.0 if s <= 23 else 23.0 if s <= 33 else 34.0)),
+                      40.0 if s <= 33 else 23.0 if s <= 43 else 34.0)),
                   "resume": scenario_resume(rank, x, y, out_dir)}
         if rank == 0:
             result["reference"] = local_sgd_reference(x, y)
@@ -276,42 +277,53 @@ def test_weighted_split_gradient_equals_the_whole_batch(ranks, split):
 
 def test_the_window_after_calibration_refines_a_split_that_gains_under_the_threshold(ranks):
     # calibrated on 57 samples/s, rank 1 trains 50: 41 + 23 predicts a step 6.5 % slower than
-    # 43 + 21, under the 10 % threshold, so only the refinement in the next window moves it
+    # 43 + 21, under the 10 % threshold, so only the refinement in the next (half) window moves it
     for rank in ranks:
         history = rank["calibration"]
-        assert history[2] == [41, 23] and history[21] == [41, 23]
-        assert history[22] == [43, 21] and history[-1] == [43, 21]
+        assert history[2] == [41, 23] and history[11] == [41, 23]
+        assert history[12] == [43, 21] and history[-1] == [43, 21]  # half a window later
+
+
+def test_a_refinement_carries_a_move_on_by_a_quarter_of_the_threshold(ranks):
+    # calibrated on 42 samples/s, rank 1 trains 40: 45 + 19 predicts a step 3.2 % slower than
+    # 46 + 18, under half the threshold, over a quarter, and carrying calibration's move on
+    for rank in ranks:
+        history = rank["carried_on"]
+        assert history[2] == [45, 19] and history[11] == [45, 19]
+        assert history[12] == [46, 18] and history[-1] == [46, 18]
 
 
 def test_speeds_steady_for_three_windows_move_a_split_once_by_a_quarter_of_the_threshold(ranks):
-    # calibrated on 42 samples/s, rank 1 trains 40: 45 + 19 predicts a step 3.2 % slower than
-    # 46 + 18, under the refinement's 5 %: the fine move comes once three windows at 45 + 19
-    # agree (steps 23, 43, 63), and no move follows it
+    # calibrated on 33 samples/s, rank 1 trains 40: 48 + 16, past 46 + 18, predicts a step 4.2 %
+    # slower: under the refinement's 5 %, and back the way calibration moved. The fine move comes
+    # once three windows at 48 + 16 agree (steps 13, the refining half window, 33 and 53), and no
+    # move follows it
     for rank in ranks:
         history = rank["fine"]
-        assert history[2] == [45, 19] and history[61] == [45, 19]
-        assert history[62] == [46, 18] and history[-1] == [46, 18]
+        assert history[2] == [48, 16] and history[51] == [48, 16]
+        assert history[52] == [46, 18] and history[-1] == [46, 18]
 
 
 def test_the_window_after_a_move_refines_it_once(ranks):
-    # as above, but rank 1 slows to 30 at step 24 and 26 at 34: the window of step 43 (28 on
-    # average) moves the shares to 50 + 14; the next one measures 26, and 51 + 13 predicts a step
-    # 5.3 % faster, over the refinement's half threshold; nothing moves them after
+    # rank 1 trains 40 (calibrated 46 + 18), slows to 30 at step 34 and 26 at 44: the window of
+    # step 53 (28 on average) moves the shares to 50 + 14; the next one, half a window, measures
+    # 26, and 51 + 13 predicts a step 5.3 % faster, over the refinement's half threshold; nothing
+    # moves them after
     for rank in ranks:
         history = rank["refined_after_change"]
-        assert history[42] == [50, 14] and history[61] == [50, 14]
+        assert history[51] == [46, 18] and history[52] == [50, 14] and history[61] == [50, 14]
         assert history[62] == [51, 13] and history[-1] == [51, 13]
-        assert len({tuple(h) for h in history}) == 4  # 32 + 32, 45 + 19, 50 + 14, 51 + 13
+        assert len({tuple(h) for h in history}) == 4  # 32 + 32, 46 + 18, 50 + 14, 51 + 13
 
 
 def test_no_fine_move_once_a_worker_changed_speed(ranks):
-    # rank 1 slows to 23 at step 24 and comes back to 34 at 34: the window of step 43 moves the
+    # rank 1 slows to 23 at step 34 and comes back to 34 at 44: the window of step 53 moves the
     # shares to 50 + 14, and though 48 + 16 fits 34 by 4 % (over a fine move's 2.5 %, under the
-    # refinement's 5 %), nothing moves them after
+    # refinement's 5 %, and back the way the move went), nothing moves them after
     for rank in ranks:
         history = rank["fine_after_change"]
-        assert history[42] == [50, 14] and history[-1] == [50, 14]
-        assert len({tuple(h) for h in history}) == 3  # 32 + 32, 45 + 19, 50 + 14
+        assert history[52] == [50, 14] and history[-1] == [50, 14]
+        assert len({tuple(h) for h in history}) == 3  # 32 + 32, 46 + 18, 50 + 14
 
 
 def test_every_sample_once_per_epoch_across_a_resplit(ranks):

@@ -93,6 +93,22 @@ def test_a_rank_s_speed_is_its_samples_over_its_busy_time():
     assert b.speeds == pytest.approx((16.0,))
 
 
+def test_a_resumed_balancer_compares_on_the_grid_again():
+    """After ``load_state_dict`` (a resumed job) the comparisons fall on calibration + n x K, not
+    K after the last one before the checkpoint: every rank resumes on the same schedule."""
+    b = balancer(rank=0, world=1, every=4, calibration_steps=1)
+    b.set_global_batch(8)
+    b.on_batch(8, 8)
+    b.after_step(1, B.StepTimes(compute_s=0.5, idle_s=0.0, step_s=0.5))
+    assert b.speeds == (16.0,)
+    b.load_state_dict({"shares": [8], "resplits": 0})  # resumed at step 7
+    seen = []
+    for step in (7, 8, 9):
+        b.after_step(step, B.StepTimes(compute_s=0.25, idle_s=0.0, step_s=0.25))
+        seen.append(b.speeds)
+    assert seen == [(16.0,), (16.0,), (32.0,)]  # at 9 = 1 + 2 x 4 (K after step 1 would be 7 at once)
+
+
 class FakeTime:
     def __init__(self):
         self.now = 0.0

@@ -11,16 +11,22 @@ STEADY = [(100.0, 50.0), (101.0, 49.0), (99.0, 51.0)]  # three windows: rank 0 ~
 
 
 @pytest.mark.parametrize("windows, expected", [
-    # the windows after STEADY, and what observe says of each
+    # the windows after STEADY, and what observe says of each (rank 1's band: 50 +- 5, its floor)
     ([(100.0, 50.5), (99.5, 49.5)], [False, False]),                      # inside both bands
-    ([(100.0, 75.0), (100.0, 76.0)], [False, True]),                     # rank 1 faster twice: changed
-    ([(100.0, 30.0), (100.0, 31.0)], [False, True]),                     # slower twice: changed
-    ([(100.0, 75.0), (100.0, 50.0)], [False, False]),                    # one window out, then back
-    ([(100.0, 75.0), (100.0, 30.0)], [False, False]),                    # out both ways: not one change
-    ([(100.0, 75.0), (100.0, 30.0), (100.0, 31.0)], [False, False, True]),  # then slower twice
+    ([(100.0, 60.0), (100.0, 61.0)], [False, True]),                     # rank 1 faster twice: changed
+    ([(100.0, 40.0), (100.0, 41.0)], [False, True]),                     # slower twice: changed
+    ([(100.0, 60.0), (100.0, 50.0)], [False, False]),                    # one window out, then back
+    ([(100.0, 60.0), (100.0, 40.0)], [False, False]),                    # out both ways: not one change
+    ([(100.0, 60.0), (100.0, 40.0), (100.0, 41.0)], [False, False, True]),  # then slower twice
     ([(100.0, 53.0), (100.0, 53.5)], [False, False]),                    # 6 %: under the 10 % floor
-    ([(130.0, 50.0), (131.0, 50.0)], [False, True]),                     # the other rank changed
-    ([(100.0, 75.0), (100.0, 0.0), (100.0, 75.0)], [False, False, True]),  # no measurement: skipped
+    ([(115.0, 50.0), (116.0, 50.0)], [False, True]),                     # the other rank changed
+    ([(100.0, 60.0), (100.0, 0.0), (100.0, 60.0)], [False, False, True]),  # no measurement: skipped
+    # a leap, more than 3 band widths in one window: changed at once
+    ([(100.0, 75.0)], [True]),                                           # +50 % (a CPU limit lifted)
+    ([(100.0, 30.0)], [True]),                                           # -40 %
+    ([(140.0, 50.0)], [True]),                                           # rank 0: +40 %, its band +- 10
+    ([(100.0, 64.0), (100.0, 50.0)], [False, False]),                    # +28 %: out, not a leap
+    ([(100.0, 36.0), (100.0, 51.0)], [False, False]),                    # -28 % (a core's slow phase)
 ])
 def test_observe_table(windows, expected):
     bands = SpeedBands(floor=0.1)
@@ -35,12 +41,34 @@ def test_too_few_windows_cannot_be_out_of_band():
 
 def test_after_a_change_the_band_restarts_at_the_new_level():
     bands = SpeedBands(floor=0.1, min_windows=2)
-    for w in [(100.0, 50.0), (100.0, 50.0), (100.0, 80.0)]:
+    for w in [(100.0, 50.0), (100.0, 50.0), (100.0, 58.0)]:
         bands.observe(w)
-    assert bands.observe((100.0, 81.0)) is True
-    # the new level is ~80: staying there is in band, and going back to 50 is a change again
-    assert [bands.observe(w) for w in [(100.0, 80.0), (100.0, 79.0)]] == [False, False]
+    assert bands.observe((100.0, 59.0)) is True
+    # the new level is ~58.5: staying there is in band, and going back to 50 is a change again
+    assert [bands.observe(w) for w in [(100.0, 58.5), (100.0, 58.0)]] == [False, False]
     assert [bands.observe(w) for w in [(100.0, 50.0), (100.0, 50.0)]] == [False, True]
+
+
+def test_a_leap_counts_at_once_and_the_band_restarts_from_the_next_window_out_of_it():
+    bands = SpeedBands(floor=0.1, min_windows=2)
+    for w in [(100.0, 50.0), (100.0, 50.0)]:
+        bands.observe(w)
+    # measured: the window a CPU limit was lifted in holds the change in part (999 against a band
+    # of ~770), the next one whole (1397). The first is a leap; the second, still out of the old
+    # band, says the change is for good, and the band restarts from the two
+    assert bands.observe((100.0, 66.0)) is True
+    assert bands.observe((100.0, 90.0)) is True
+    # the band is now those two windows (78 +- 68): the new level is in it
+    assert [bands.observe(w) for w in [(100.0, 80.0), (100.0, 85.0)]] == [False, False]
+    assert bands.steady_speeds() == (100.0, pytest.approx(80.25))
+
+
+def test_a_leap_and_back_leaves_the_band_as_it_was():
+    bands = SpeedBands(floor=0.1)
+    for w in STEADY:
+        bands.observe(w)
+    assert [bands.observe(w) for w in [(100.0, 80.0), (100.0, 50.0), (100.0, 60.0), (100.0, 61.0)]] == [
+        True, False, False, True]  # the band still ~50: two windows out of it later are a change
 
 
 def test_a_jittery_rank_needs_a_larger_move_than_a_steady_one():
@@ -62,7 +90,7 @@ def test_steady_speeds_are_each_ranks_mean_in_band_once_every_rank_has_three_win
     assert bands.steady_speeds() is None
     bands.observe([104.0, 52.0])
     assert bands.steady_speeds() == (102.0, 51.0)
-    bands.observe([103.0, 80.0])  # out of rank 1's band: not part of its steady speed
+    bands.observe([103.0, 58.0])  # out of rank 1's band: not part of its steady speed
     assert bands.steady_speeds() == (102.25, 51.0)
     bands.reset()
     assert bands.steady_speeds() is None

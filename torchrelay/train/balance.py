@@ -16,17 +16,21 @@ Contract:
   trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
   (``mine / total``) and its parameters (its samples since the last parameter sync over
   everyone's) carry, and ``after_step(step, times)`` (the step's ``StepTimes``): after the
-  calibration steps and every ``balance_every`` steps, every rank's samples/s over the window
+  calibration steps and every ``balance_every`` steps (K/2 for a refinement, below; on the grid
+  calibration + n × K again after ``load_state_dict``), every rank's samples/s over the window
   (its samples over its ``busy_s``: the optimizer step, slower on a slower rank, delays that
   rank's next arrival at the all-reduce as its compute does) is all-reduced, rank 0 decides
   (``shares.decide_resplit``: its thresholds are the hysteresis, and ``SpeedBands`` tells it when
-  a rank's speed left its own spread for good; the first window after a move made from a
-  window (calibration's, or a changed speed's) refines it with half the threshold, because that
-  window was measured at the old shares and a rank's samples/s grows with its share, a step's
-  fixed costs spread over more samples; a refinement is not refined again; once, before any
+  a rank's speed left its own spread for good; the window after a move made from a window
+  (calibration's, or a changed speed's), half as long as the others, refines it with half the
+  threshold (a quarter when it carries the move on), because that window was measured at the
+  old shares and a rank's samples/s grows with its share, a step's fixed costs spread over more
+  samples; a refinement is not refined
+  again; once, before any
   rank changed speed, speeds steady over several windows may move it by a quarter of the
   threshold, ``shares.fine_resplit``) and
-  broadcasts the shares, which the next batch uses. Collective at those steps (every rank
+  broadcasts the shares, which the next batch uses, and whether they are the fine move (so every
+  rank knows when the next comparison is due). Collective at those steps (every rank
   calls ``after_step`` at every step: the prepared optimizer does).
   ``state_dict``/``load_state_dict``: shares, global batch, the re-split count (``TrainState``
   saves them, so a resumed job continues with the same split; the speed windows are not saved:
@@ -137,7 +141,9 @@ class Balancer:
         self._since_sync = [0, 0]  # this rank's samples and everyone's since the last parameter sync
         self._pending: tuple[int, ...] | None = None  # rank 0: a drift awaiting confirmation
         self._bands = SpeedBands(floor=threshold)  # rank 0: has a rank's speed really changed?
-        self._refining = False  # rank 0: the next comparison is the first after a move made from a window
+        self._refining = False  # the next comparison is the first after a move made from a window (every rank)
+        self._moved_from: tuple[int, ...] | None = None  # rank 0: the shares before that move
+        self._last_measured: int | None = None  # the step of the last comparison (None: none yet, or resumed)
         self._fine_due = True  # rank 0: the fine move may still come (not yet made, no speed changed)
 
     def set_global_batch(self, global_batch: int) -> None:
@@ -174,8 +180,10 @@ class Balancer:
         if times is not None:
             self._window[0] += self.current[0]
             self._window[1] += times.busy_s
-        if self.shares is None or not S.remeasure_due(step, self.every, self.calibration_steps):
+        if self.shares is None or not S.remeasure_due(step, self.every, self.calibration_steps, self._last_measured,
+                                                      self._refining):
             return False
+        self._last_measured = step
         mine = self._window[0] / self._window[1] if self._window[1] > 0 else 0.0
         self._window = [0, 0.0]
         speeds = torch.zeros(self.world, dtype=torch.float64)
@@ -187,7 +195,7 @@ class Balancer:
         if self.rank == 0:
             speed_changed = self._bands.observe(self.speeds)
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
-                                       refining=self._refining)
+                                       refining=self._moved_from if self._refining else None)
             new, self._pending = outcome.shares, outcome.pending
             if new is not None and new != self.shares:
                 if step > self.calibration_steps and not self._refining:
@@ -198,11 +206,13 @@ class Balancer:
                 self._fine_due = not fine
             if new is not None and new != self.shares and not fine:
                 self._bands.reset()  # a fine move's sample or two leaves every rank's speed comparable
-        decided = torch.tensor(new if new is not None else self.shares, dtype=torch.int64)
+        # the shares, and whether they are a fine move: every rank keeps the same schedule of comparisons
+        decided = torch.tensor([*(new if new is not None else self.shares), int(fine)], dtype=torch.int64)
         if self.world > 1:
             dist.broadcast(decided, src=0)
-        shares = tuple(int(x) for x in decided)
+        shares, fine = tuple(int(x) for x in decided[:-1]), bool(decided[-1])
         changed = shares != self.shares
+        self._moved_from = self.shares
         self.shares = shares
         self.resplits += changed
         # a move made from a window is refined by the next one (measured at the new shares), once
@@ -225,6 +235,7 @@ class Balancer:
         if len(shares) == self.world and shares and (self.global_batch in (None, sum(shares))):
             self.shares, self.global_batch = shares, sum(shares)
         self.resplits = int(state.get("resplits", 0))
+        self._last_measured, self._refining, self._window = None, False, [0, 0.0]  # re-measured from the grid
 
 
 def balancer_for(strategy: Any, rank: int, world: int) -> Balancer | None:

@@ -8,12 +8,14 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
 - ``decide_resplit(shares, speeds, threshold, pending, changed)``: the shares in proportion to
   ``speeds`` when they would make a step at least ``2 × threshold`` faster than the current
   ones predict (at once), or at least ``threshold`` faster twice in a row, the same way, or at
-  least ``threshold`` faster when a rank's speed left its own band two windows in a row
-  (``changed``: speed_bands.py); else none. This is the hysteresis: speeds that wobble by less
+  least ``threshold`` faster when a rank's speed left its own band two windows in a row or leapt
+  out of it in one (``changed``: speed_bands.py); else none. This is the hysteresis: speeds that wobble by less
   than the threshold never move the shares, a single noisy window cannot either, and after a
   re-split the same speeds predict no gain, so the shares cannot flip back and forth between
   two roundings. With ``refining`` (the first comparison after a move made from a window:
-  calibration's, or one after a rank changed speed) half the threshold moves the shares at once.
+  calibration's, or one after a rank changed speed; its window is half as long, ``remeasure_due``)
+  half the threshold moves the shares at once, and a quarter of it when the move carries the
+  last one on (no rank goes back the way that one moved it), since a move undershoots.
   The window that moved them was measured at the old shares (calibration: a couple of steps at an
   even split), and a rank's samples/s grows with its share, since a step's fixed costs (forward
   and backward overheads, the optimizer's step) spread over more samples. So a move undershoots,
@@ -36,7 +38,8 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   is seen exactly once per epoch, also when the shares change between two steps, and a
   resumed epoch only needs its step number.
 - ``steps_per_epoch(num_samples, global_batch, world, drop_last)``; ``remeasure_due(step,
-  every, calibration_steps)``: after which optimizer steps the speeds are compared.
+  every, calibration_steps, last, refining)``: after which optimizer steps the speeds are
+  compared (every ``every`` steps; a refinement's window is half as long).
 """
 from __future__ import annotations
 
@@ -103,22 +106,32 @@ def _proportional_proposal(shares: Sequence[int], speeds: Sequence[float]) -> tu
     return proposed, 1.0 - step_time(proposed, speeds) / step_time(shares, speeds)
 
 
+def _continues(before: Sequence[int], shares: Sequence[int], proposed: Sequence[int]) -> bool:
+    """Whether going from ``shares`` to ``proposed`` takes no rank back the way the move from
+    ``before`` to ``shares`` took it."""
+    return all((p - s) * (s - b) >= 0 for b, s, p in zip(before, shares, proposed))
+
+
 def decide_resplit(shares: Sequence[int], speeds: Sequence[float], threshold: float,
-                   pending: Sequence[int] | None = None, changed: bool = False, refining: bool = False) -> Resplit:
+                   pending: Sequence[int] | None = None, changed: bool = False,
+                   refining: Sequence[int] | None = None) -> Resplit:
     """Compare the split with ``speeds`` (samples/s of each rank over the last window).
 
     The split in proportion to ``speeds`` is taken at once when it predicts a step at least
     ``2 × threshold`` faster (a worker really changed speed); one that predicts between
     ``threshold`` and that only when the previous comparison proposed a move the same way
     (``pending``: a drift that persists, not one window's noise) or when ``changed`` says a
-    rank's speed left its own band two windows in a row (``SpeedBands.observe``); below
-    ``threshold``, never. ``refining`` (the first comparison after a move made from a window):
-    at least half ``threshold`` faster, at once. A rank without a measured speed (0) keeps the split as it is."""
+    rank's speed left its own band (``SpeedBands.observe``); below ``threshold``, never.
+    ``refining`` (the first comparison after a move made from a window: the shares before that
+    move): at once at least half ``threshold`` faster, or a quarter when the split carries the
+    move on (no rank goes back the way it moved), since a move undershoots. A rank without a
+    measured speed (0) keeps the split as it is."""
     proposal = _proportional_proposal(shares, speeds)
     if proposal is None:
         return Resplit()
     proposed, gain = proposal
-    if refining and gain >= threshold / 2:
+    if refining is not None and (gain >= threshold / 2 or (
+            gain >= FINE_FRACTION * threshold and _continues(refining, shares, proposed))):
         return Resplit(shares=proposed)
     if gain < threshold:
         return Resplit()
@@ -138,10 +151,17 @@ def fine_resplit(shares: Sequence[int], steady_speeds: Sequence[float], threshol
     return proposal[0] if proposal is not None and proposal[1] >= FINE_FRACTION * threshold else None
 
 
-def remeasure_due(step: int, every: int, calibration_steps: int) -> bool:
+def remeasure_due(step: int, every: int, calibration_steps: int, last: int | None = None,
+                  refining: bool = False) -> bool:
     """Whether speeds are compared after optimizer step ``step`` (1-based): first after the
-    ``calibration_steps``, then every ``every`` steps."""
-    return step == calibration_steps or (step > calibration_steps and (step - calibration_steps) % every == 0)
+    ``calibration_steps``; then ``every`` steps after the last comparison (``last``), or half as
+    many (at least one) when that comparison moved the shares from a window (``refining``: the
+    refinement only has to see the new shares, and settling after a change then ends within about
+    a window and a half of the move). Without a last comparison before ``step`` (none yet, or a
+    resumed job, whose speed windows are not saved): on the grid ``calibration_steps + n × every``."""
+    if last is None or step <= last:
+        return step == calibration_steps or (step > calibration_steps and (step - calibration_steps) % every == 0)
+    return step - last >= (max(1, every // 2) if refining else every)
 
 
 def _epoch_shape(num_samples: int, global_batch: int, world: int, drop_last: bool) -> tuple[int, int]:

@@ -11,9 +11,14 @@ than ``floor`` of the mean (so a very steady rank's small moves do not count).
 Contract:
 - ``observe(speeds) -> bool``: record one window of every rank. True when some rank has now been
   out of its band two windows in a row, the same way (faster both times, or slower both times):
-  a change that persists, not one window's noise. That rank's band then restarts from those two
-  windows (its new level). Windows in band join the rank's history (the last ``keep``); windows
-  out of band do not. A rank needs ``min_windows`` in its history before it can be out of band.
+  a change that persists, not one window's noise; or one window out by more than ``jump`` (3)
+  times the band's width: a leap, such as a worker whose CPU limit went from 0.5 to 1 cpu (its
+  next window 60-90 % faster, measured, against a band of ±10 %), which neither noise nor a
+  core's slow phase (about 1.4× slower, so a window up to 29 % slower: bench/core_phases.py)
+  comes near. A rank's band restarts from two windows out of it in a row, the same way (its new
+  level; a leap's window may hold the change only in part, so it alone does not). Windows in band
+  join the rank's history (the last ``keep``); windows out of band do not. A rank needs
+  ``min_windows`` in its history before it can be out of band.
 - ``steady_speeds()``: every rank's mean speed over the windows in its band, or None while a
   rank has fewer than ``min_windows`` of them: a longer, steadier measurement than one window,
   for the balancer's fine adjustment (shares.fine_resplit).
@@ -41,6 +46,7 @@ class SpeedBands:
     sigmas: float = 4.0
     min_windows: int = 3
     keep: int = 8
+    jump: float = 3.0
     _history: list[list[float]] = field(default_factory=list)
     _streak: list[list[float]] = field(default_factory=list)  # consecutive out-of-band windows, one direction
 
@@ -54,16 +60,20 @@ class SpeedBands:
             return None
         return tuple(statistics.fmean(h) for h in self._history)
 
-    def _side(self, rank: int, speed: float) -> int:
-        """+1 above the rank's band, -1 below, 0 inside (or too few windows to tell)."""
+    def _offset(self, rank: int, speed: float) -> float:
+        """How far ``speed`` is from the rank's band, in band widths: above 1 (or below -1) is out
+        of it, faster (slower); 0 with too few windows to tell."""
         history = self._history[rank]
         if len(history) < self.min_windows:
-            return 0
+            return 0.0
         mean = statistics.fmean(history)
         width = max(self.sigmas * statistics.stdev(history), self.floor * mean)
-        if abs(speed - mean) <= width:
-            return 0
-        return 1 if speed > mean else -1
+        return (speed - mean) / width
+
+    def _side(self, rank: int, speed: float) -> int:
+        """+1 above the rank's band, -1 below, 0 inside (or too few windows to tell)."""
+        offset = self._offset(rank, speed)
+        return 0 if abs(offset) <= 1 else 1 if offset > 0 else -1
 
     def observe(self, speeds: Sequence[float]) -> bool:
         """Record one window (samples/s of every rank); True when a rank's speed changed for good.
@@ -86,6 +96,9 @@ class SpeedBands:
             if streak and self._side(rank, streak[-1]) != side:
                 streak.clear()
             streak.append(speed)
+            # a leap counts at once; the band waits for a second window (a leap's window may hold
+            # the change only in part: the new level is the next one's)
+            changed = changed or abs(self._offset(rank, speed)) > self.jump
             if len(streak) >= 2:
                 changed = True
                 self._history[rank] = list(streak)
