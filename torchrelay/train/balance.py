@@ -25,12 +25,11 @@ Contract:
   (calibration's, or a changed speed's), half as long as the others, refines it with half the
   threshold (a quarter when it carries the move on), because that window was measured at the
   old shares and a rank's samples/s grows with its share, a step's fixed costs spread over more
-  samples; a refinement is not refined
-  again; once, before any
-  rank changed speed, speeds steady over several windows may move it by a quarter of the
-  threshold, ``shares.fine_resplit``) and
-  broadcasts the shares, which the next batch uses, and whether they are the fine move (so every
-  rank knows when the next comparison is due). Collective at those steps (every rank
+  samples; a refinement is not refined again; once, before any rank changed speed, speeds
+  steady over several windows may move it by a quarter of the threshold,
+  ``shares.fine_resplit``) and broadcasts the shares, which the next batch uses, and whether
+  they are the fine move (so every rank knows when the next comparison is due). Collective at
+  those steps (every rank
   calls ``after_step`` at every step: the prepared optimizer does).
   ``state_dict``/``load_state_dict``: shares, global batch, the re-split count (``TrainState``
   saves them, so a resumed job continues with the same split; the speed windows are not saved:

@@ -9,8 +9,9 @@ indices each rank takes. Pure: no torch.distributed, no clock, no I/O.
   ``speeds`` when they would make a step at least ``2 × threshold`` faster than the current
   ones predict (at once), or at least ``threshold`` faster twice in a row, the same way, or at
   least ``threshold`` faster when a rank's speed left its own band two windows in a row or leapt
-  out of it in one (``changed``: speed_bands.py); else none. This is the hysteresis: speeds that wobble by less
-  than the threshold never move the shares, a single noisy window cannot either, and after a
+  out of it in one (``changed``: speed_bands.py); else none. This is the hysteresis: speeds
+  that wobble by less than the threshold never move the shares, a single noisy window cannot
+  either (but for a leap), and after a
   re-split the same speeds predict no gain, so the shares cannot flip back and forth between
   two roundings. With ``refining`` (the first comparison after a move made from a window:
   calibration's, or one after a rank changed speed; its window is half as long, ``remeasure_due``)
