@@ -72,8 +72,7 @@ class SpeedBands:
 
     def _side(self, rank: int, speed: float) -> int:
         """+1 above the rank's band, -1 below, 0 inside (or too few windows to tell)."""
-        offset = self._offset(rank, speed)
-        return 0 if abs(offset) <= 1 else 1 if offset > 0 else -1
+        return _side_of(self._offset(rank, speed))
 
     def observe(self, speeds: Sequence[float]) -> bool:
         """Record one window (samples/s of every rank); True when a rank's speed changed for good.
@@ -88,7 +87,8 @@ class SpeedBands:
         for rank, speed in enumerate(speeds):
             if not math.isfinite(speed) or speed <= 0:  # no measurement this window: nothing to judge
                 continue
-            side, streak = self._side(rank, speed), self._streak[rank]
+            offset, streak = self._offset(rank, speed), self._streak[rank]
+            side = _side_of(offset)
             if side == 0:
                 streak.clear()
                 self._history[rank] = [*self._history[rank], speed][-self.keep:]
@@ -98,9 +98,14 @@ class SpeedBands:
             streak.append(speed)
             # a leap counts at once; the band waits for a second window (a leap's window may hold
             # the change only in part: the new level is the next one's)
-            changed = changed or abs(self._offset(rank, speed)) > self.jump
+            changed = changed or abs(offset) > self.jump
             if len(streak) >= 2:
                 changed = True
                 self._history[rank] = list(streak)
                 streak.clear()
         return changed
+
+
+def _side_of(offset: float) -> int:
+    """+1 for an offset (in band widths) above the band, -1 below, 0 inside."""
+    return 0 if abs(offset) <= 1 else 1 if offset > 0 else -1
