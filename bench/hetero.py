@@ -16,6 +16,11 @@ examples/digits, global batch 128, target loss 0.35 (the digits rows in docs/ben
 - plain: ``strategy: {kind: ddp}`` on the pair (every rank half the batch: the slow one sets
   the pace);
 - balanced: ``strategy: {kind: ddp, balance: throughput}`` on the pair;
+- balanced local_sgd: ``strategy: {kind: local_sgd, every: 8, balance: throughput}`` on the pair,
+  right after the second solos, and compared with them: the same split, with the parameters
+  averaged every 8 steps instead of the gradients every step. Beside balanced ddp it shows how
+  much of what stands between vs_sum_solo and 1 is the per-step all-reduce, and what a job that
+  can train with local SGD gets on such a pair;
 - lifted: balanced again, and mid-run the slow agent's CPU quota is raised to 1 cpu (its
   cgroup, written here): how many steps until its shares settle. The shares and measured
   speeds at each re-measurement are printed.
@@ -61,7 +66,8 @@ beside it), "first_move_steps": steps from the lift to the first re-split, "sett
 the last re-split, the difference between the two ranks' mean fraction of a step spent waiting
 in the all-reduce (0 when the split leaves neither waiting for the other), "settled_samples_per_s":
 the lifted run's throughput after its last re-split (rank 0's report times), "equal_pair_vs_sum_solo":
-the equal pair's plain ddp / its solos}``.
+the equal pair's plain ddp / its solos, "local_sgd_vs_sum_solo": balanced local_sgd / (solo fast +
+solo slow) of the second solos, "local_sgd_time_to_loss_ratio": balanced local_sgd / plain ddp}``.
 """
 from __future__ import annotations
 
@@ -337,6 +343,8 @@ def equal_pair(cluster, code: Path, args) -> dict[str, float]:
 
 
 BALANCED = {"kind": "ddp", "balance": "throughput", "balance_every": EVERY}
+LOCAL_SGD_EVERY = 8  # the spec's default
+BALANCED_LOCAL_SGD = {**BALANCED, "kind": "local_sgd", "every": LOCAL_SGD_EVERY}
 
 
 def lifted_run(cluster, code: Path, args, n: int = 0) -> tuple[dict, dict]:
@@ -437,6 +445,9 @@ def main(argv=None) -> None:
                 if name.startswith("balanced"):
                     balanced_points.append(points)
         rows.update({f"{name} 2": row for name, row in run_solos(cluster.address, code, args).items()})
+        with RelayClient(cluster.address) as client:
+            rows["balanced local_sgd"], _ = run_job(client, code, args, strategy=BALANCED_LOCAL_SGD, workers=2,
+                                                    label=None, steps=args.steps)
         shares = [sorted({p.values.get("share") for p in points if p.rank == 0 and p.step > 40})
                   for points in balanced_points]
         rows["balanced, lifted"], lifted = lifted_run(cluster, code, args)
@@ -455,12 +466,16 @@ def main(argv=None) -> None:
     ttls = [rows[name]["time_to_loss_s"] for name in ("balanced ddp", "balanced ddp 2")]
     ttl_b = mean(ttls) if all(ttls) else None
     ttl_p = rows["plain ddp"]["time_to_loss_s"]
+    local_sgd = rows["balanced local_sgd"]
     result = {"vs_sum_solo": round(balanced_rate / solo_sum, 3), "vs_equal_split": round(balanced_rate / plain_rate, 3),
               "time_to_loss_ratio": round(ttl_b / ttl_p, 3) if ttl_b and ttl_p else None,
               "resettle_steps": lifted["resettle"], "first_move_steps": lifted["first_move"],
               "settled_idle_gap": idle_gap(lifted["settled_idle"]),
               "settled_samples_per_s": round(lifted["settled_rate"]) if lifted["settled_rate"] else None,
-              "equal_pair_vs_sum_solo": round(equal["ratio"], 3)}
+              "equal_pair_vs_sum_solo": round(equal["ratio"], 3),
+              "local_sgd_vs_sum_solo": round(local_sgd["samples_per_s"] / solo_sums[1], 3),
+              "local_sgd_time_to_loss_ratio": round(local_sgd["time_to_loss_s"] / ttl_p, 3)
+              if local_sgd["time_to_loss_s"] and ttl_p else None}
     print(f"solo fast + solo slow: {solo_sums[0]:.0f} before, {solo_sums[1]:.0f} after; "
           f"balanced: {balanced_rates[0]:.0f} and {balanced_rates[1]:.0f}")
     for n, (points, rate) in enumerate(zip(balanced_points, balanced_rates), 1):
@@ -473,6 +488,9 @@ def main(argv=None) -> None:
     print(f"balanced / plain ddp = {result['vs_equal_split']}  (goal >= 1.3, ceiling 1.5)")
     print(f"time to loss {args.target_loss}: balanced / plain = {result['time_to_loss_ratio']}  (goal <= 0.8)")
     print(f"rank 0's shares in the balanced runs after step 40: {shares[0]} and {shares[1]}")
+    print(f"balanced local_sgd (parameters averaged every {LOCAL_SGD_EVERY} steps): "
+          f"/ (solo fast + solo slow, the second solos) = {result['local_sgd_vs_sum_solo']}, "
+          f"time to loss / plain ddp's = {result['local_sgd_time_to_loss_ratio']}")
     print_lifted(lifted)
     print(f"equal pair (both agents at 0.75 cpu): plain ddp {equal['pair']:.0f} samples/s against solo sums "
           f"{equal['solo_sums'][0]:.0f} before and {equal['solo_sums'][1]:.0f} after: {equal['ratio']:.3f} "
