@@ -23,8 +23,14 @@ async def job(svc: ClusterService, job_id: str, wait: float, known_state: str | 
     info = await run_sync(svc.get_job, job_id)
     if wait and known_state == info.state.value:
         key = f"job:{info.id.removeprefix('job-')}"
-        await svc.notifier.wait(key, svc.notifier.version(key), wait)
+        seen = svc.notifier.version(key)
+        # Read again now that the version is taken: a change committed between the first read
+        # and ``seen`` bumped the key before we looked, and no later bump would end the wait
+        # (``relay wait`` then answered up to its poll, 10 s, late).
         info = await run_sync(svc.get_job, job_id)
+        if known_state == info.state.value:
+            await svc.notifier.wait(key, seen, wait)
+            info = await run_sync(svc.get_job, job_id)
     return info
 
 
