@@ -5,7 +5,9 @@ This file is also the worker script: torchrun runs it with ``--worker OUT_DIR``.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +68,13 @@ def worker(out_dir: str) -> None:
         rt.report(step, loss=loss.item())
     torch.save(rt.unwrap(model).state_dict(), os.path.join(out_dir, f"rank-{ctx.rank}.pt"))
     rt.shutdown()
+    # Freeing the model after shutdown must not destroy the process group inside DDP's reducer
+    # (which joins gloo's threads with the GIL held: a hang, see train/sync.py): its threads live on.
+    threads = [len(os.listdir("/proc/self/task"))]
+    del model, optimizer
+    gc.collect()
+    threads.append(len(os.listdir("/proc/self/task")))
+    Path(out_dir, f"threads-{ctx.rank}.json").write_text(json.dumps(threads))
     if os.environ.get("RELAY_LAUNCH_ID"):
         return  # a job's worker: the platform's exit hook spares it the teardown abort, and needs the return
     # The exit status must say whether the math ran, not whether teardown was lucky (docs/design.md, exit-time abort).
@@ -119,6 +128,8 @@ def test_ddp_on_two_ranks_equals_one_process_on_the_double_batch(tmp_path):
     for rank in range(2):
         lines = (tmp_path / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
         assert len(lines) == STEPS
+        before, after = json.loads((tmp_path / f"threads-{rank}.json").read_text())
+        assert after == before, f"rank {rank}: freeing the model ended {before - after} threads (the process group's)"
 
 
 if __name__ == "__main__":

@@ -603,7 +603,18 @@ def apply_ddp(model: torch.nn.Module, ctx: Context, comm: Collective) -> torch.n
     if comm.world_size == 2 and exchange.agreed(on_cpu=device.type == "cpu"):
         comm.peer_sum = exchange.PeerSum()
     ddp.register_comm_hook(comm, _weighted_allreduce_hook)
+    _GROUPS_OUTLIVING_REDUCERS.append(dist.group.WORLD)
     return ddp
+
+
+# DDP's reducer holds its process group. Were the reducer the group's last holder, freeing the
+# user's model (when the script's training function returns, after ``shutdown``) would destroy
+# the group inside the reducer's destructor, which joins gloo's threads with the GIL held; a gloo
+# thread still releasing the hook's ``then`` callback needs the GIL, and the rank hangs for good
+# (seen in about 1 of 40 runs of a 2-host × 2-rank job; pytorch#56297). A group released from
+# Python drops the GIL while it joins (or, in a job's worker, is never destroyed: the worker
+# ends with ``os._exit``), so the groups DDP uses are kept here until the process ends.
+_GROUPS_OUTLIVING_REDUCERS: list[Any] = []
 
 
 # ---------------------------------------------------------------- entry points
