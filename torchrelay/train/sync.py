@@ -55,6 +55,9 @@ Contract:
   a step ahead), not gloo's ring; the same sum bit for bit. ``RELAY_PAIRWISE=0`` keeps gloo's
   all-reduce; so does a CPU rank beside a GPU one (the ranks agree in ``apply_ddp``,
   ``train.exchange.agreed``).
+- ``apply_ddp`` keeps the process group it wraps referenced until the process ends, so that
+  freeing the model after ``shutdown()`` never destroys the group inside DDP's reducer (a hang:
+  see ``_GROUPS_OUTLIVING_REDUCERS``).
 """
 from __future__ import annotations
 
