@@ -40,7 +40,8 @@ running; a balanced run compared with solos from minutes before carried that dri
 Throughput is samples/s of the global batch over the steps after a warm-up, printed with each
 rank's mean fraction of a step spent waiting in the all-reduce (after step 20); time to loss is
 wall time from the first step until the loss (an exponential average) falls below
-``--target-loss``. No sleep anywhere in the training code: the speed difference is the cgroup's.
+``--target-loss``, printed with the step that reached it (the same step in every pair run: one
+global batch a step, so a ratio of times there is one of step times). No sleep anywhere in the training code: the speed difference is the cgroup's.
 The balanced run's step is then taken apart (``step_budget``): the step at the solo jobs'
 speeds, what the pair loses per sample, the split's rounding, the jitter between the ranks, the
 all-reduce itself and the rest, in ms and as shares of the step: what stands between
@@ -122,7 +123,7 @@ torch.manual_seed(0)
 {setup}
 model, optimizer = rt.prepare(model, torch.optim.Adam(model.parameters(), lr=lr))
 loader = rt.shard(train_set, batch_size=args.batch // ctx.world_size, seed=0)
-step, epoch, warm, ema, reached = 0, 0, 10, None, None
+step, epoch, warm, ema, reached, reached_step = 0, 0, 10, None, None, None
 start = t_warm = time.perf_counter()
 while step < args.steps:
     loader.sampler.set_epoch(epoch)
@@ -134,7 +135,7 @@ while step < args.steps:
         step += 1
         ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
         if reached is None and ema < args.target_loss:
-            reached = time.perf_counter() - start
+            reached, reached_step = time.perf_counter() - start, step
         if step == warm:
             t_warm = time.perf_counter()
         rt.report(step, loss=loss.item(), batch=len(y))
@@ -144,7 +145,7 @@ while step < args.steps:
 elapsed = time.perf_counter() - t_warm
 if ctx.is_main:
     print("BENCH " + json.dumps({"samples_per_s": (args.steps - warm) * args.batch / elapsed,
-                                 "time_to_loss_s": reached}), flush=True)
+                                 "time_to_loss_s": reached, "reached_step": reached_step}), flush=True)
 rt.shutdown()
 '''
 
@@ -455,10 +456,11 @@ def main(argv=None) -> None:
     finally:
         stop_cluster(cluster.home)
         shutil.rmtree(home, ignore_errors=True)
-    print(f"{'run':<20} {'samples/s':>10} {'time to loss':>14}   idle in the all-reduce, by rank")
+    print(f"{'run':<20} {'samples/s':>10} {'time to loss (step)':>19}   idle in the all-reduce, by rank")
     for name, row in rows.items():
-        ttl = f"{row['time_to_loss_s']:.2f} s" if row["time_to_loss_s"] is not None else "not reached"
-        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>14}   {idle_text(row['idle'])}")
+        ttl = (f"{row['time_to_loss_s']:.2f} s ({row['reached_step']})" if row["time_to_loss_s"] is not None
+               else "not reached")
+        print(f"{name:<20} {row['samples_per_s']:>10.0f} {ttl:>19}   {idle_text(row['idle'])}")
     solo_sums = [rows[f"solo fast{n}"]["samples_per_s"] + rows[f"solo slow{n}"]["samples_per_s"] for n in ("", " 2")]
     balanced_rates = [rows[name]["samples_per_s"] for name in ("balanced ddp", "balanced ddp 2")]
     solo_sum, balanced_rate = mean(solo_sums), mean(balanced_rates)

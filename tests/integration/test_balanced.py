@@ -131,6 +131,57 @@ def scenario_calibration(rank: int, calibrated: float = 57.0, after: float = 50.
     return history
 
 
+def scenario_prior(rank: int) -> dict:
+    """The first split from the ranks' CPU allowances (1 and 0.5 cpu), over real collectives:
+    agreed after the loader set the global batch or before it; even when a rank is not on the
+    CPU (0); never over shares loaded from a checkpoint or kept by a calibration."""
+    from torchrelay.train.balance import Balancer, StepTimes
+
+    def fresh() -> Balancer:
+        return Balancer(rank=rank, world=2, every=20, threshold=0.1)
+
+    allowance = 1.0 if rank == 0 else 0.5
+    out = {}
+    b = fresh()
+    b.set_global_batch(GLOBAL_BATCH)
+    out["weights"] = b.agree_prior(allowance)
+    out["after_loader"] = list(b.shares)
+    b = fresh()
+    b.agree_prior(allowance)
+    b.set_global_batch(GLOBAL_BATCH)
+    out["before_loader"] = list(b.shares)
+    b = fresh()
+    b.set_global_batch(GLOBAL_BATCH)
+    out["gpu_weights"] = b.agree_prior(0.0 if rank == 1 else 1.0)
+    out["gpu"] = list(b.shares)
+    b = fresh()
+    b.set_global_batch(GLOBAL_BATCH)
+    b.load_state_dict({"shares": [40, 24], "global_batch": GLOBAL_BATCH, "resplits": 1})
+    b.agree_prior(allowance)
+    out["loaded"] = list(b.shares)
+    b = fresh()  # calibration at the prior's split, on speeds of 100 and 53 samples/s: kept
+    b.set_global_batch(GLOBAL_BATCH)
+    b.agree_prior(allowance)
+    for step in range(1, 4):
+        b.on_batch(b.share, GLOBAL_BATCH)
+        busy = b.share / (100.0 if rank == 0 else 53.0)
+        b.after_step(step, None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy))
+    out["calibrated"] = [list(b.shares), b.resplits]
+    b.agree_prior(1.0)  # a later agreement leaves measured shares alone
+    out["agreed_again"] = list(b.shares)
+    b = fresh()  # calibration on speeds of 100 and 62: 40 + 24 gains 7 %, under the threshold, over half
+    b.set_global_batch(GLOBAL_BATCH)
+    b.agree_prior(allowance)
+    history = []
+    for step in range(1, 24):
+        b.on_batch(b.share, GLOBAL_BATCH)
+        busy = b.share / (100.0 if rank == 0 else 62.0)
+        b.after_step(step, None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy))
+        history.append(list(b.shares))
+    out["guess_off"] = [history[2], history[-1], b.resplits]
+    return out
+
+
 def scenario_local_sgd(rank: int, x, y, kind: str = "local_sgd") -> list:
     """Local SGD every 2 steps on shares (43, 21) (or DiLoCo with outer lr 1 and no momentum,
     which is the same): the parameters after 4 steps."""
@@ -250,7 +301,7 @@ def main(scenario: str, rank: int, world: int, port: int, out_dir: str) -> None:
                       40.0 if s <= 33 else 30.0 if s <= 43 else 26.0)),
                   "fine_after_change": scenario_calibration(rank, steps=143, rank1_speed=lambda s: (
                       40.0 if s <= 33 else 23.0 if s <= 43 else 34.0)),
-                  "resume": scenario_resume(rank, x, y, out_dir)}
+                  "resume": scenario_resume(rank, x, y, out_dir), "prior": scenario_prior(rank)}
         if rank == 0:
             result["reference"] = local_sgd_reference(x, y)
         (Path(out_dir) / f"{scenario}-{rank}.json").write_text(json.dumps(result))
@@ -324,6 +375,19 @@ def test_no_fine_move_once_a_worker_changed_speed(ranks):
         history = rank["fine_after_change"]
         assert history[52] == [50, 14] and history[-1] == [50, 14]
         assert len({tuple(h) for h in history}) == 3  # 32 + 32, 46 + 18, 50 + 14
+
+
+def test_the_first_split_follows_the_ranks_cpu_allowances(ranks):
+    for rank in ranks:
+        prior = rank["prior"]
+        assert prior["weights"] == [1.0, 0.5]
+        assert prior["after_loader"] == prior["before_loader"] == [43, 21]
+        assert prior["gpu_weights"] is None and prior["gpu"] == [32, 32]  # a rank not on the CPU: even
+        assert prior["loaded"] == [40, 24]  # a checkpoint's shares win
+        assert prior["calibrated"] == [[43, 21], 0]  # 42 + 22 would gain 2 %: under the threshold
+        assert prior["agreed_again"] == [43, 21]
+        # a guess off by less than the threshold's gain is refined at calibration, not kept for good
+        assert prior["guess_off"] == [[40, 24], [40, 24], 1]
 
 
 def test_every_sample_once_per_epoch_across_a_resplit(ranks):

@@ -15,6 +15,7 @@ on ``cuda:0`` in the gloo group beside a CPU rank.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -43,7 +44,7 @@ loader = rt.shard(torch.utils.data.TensorDataset(x, y), batch_size=%(per_rank)d,
 import torch.distributed as dist
 print("DEVICE " + json.dumps({
     "rank": ctx.rank, "device": str(ctx.device), "backend": dist.get_backend(),
-    "cuda": torch.cuda.is_available(),
+    "cuda": torch.cuda.is_available(), "first_share": current_session().balancer.share,
     "env": {k: os.environ.get(k) for k in ("RELAY_ACCELERATOR", "RELAY_GPUS_PER_WORKER", "RELAY_MIXED_DEVICES",
                                            "CUDA_VISIBLE_DEVICES", "RELAY_GPU_TYPE")}}), flush=True)
 resplits, step, seen = [], 0, 0
@@ -120,6 +121,11 @@ def test_a_job_of_any_device_runs_gpu_and_cpu_ranks_in_one_gloo_group(cluster_fa
     assert cpu["device"] == "cpu"
     # the declared GPU does not exist here: its rank's CUDA work is skipped and it trains on the CPU
     assert gpu["device"] == ("cuda:0" if gpu["cuda"] else "cpu")
+    # the first split, before any step was measured: in proportion to the two CPU ranks' quotas
+    # (1 and 0.5 cpu, enforced as root); without cgroups each may use one CPU (its one thread): even
+    if not gpu["cuda"]:
+        expected = (43, 21) if os.geteuid() == 0 else (32, 32)
+        assert (gpu["first_share"], cpu["first_share"]) == expected, (gpu, cpu)
     assert any("CPU ranks on" in (e.message or "") for e in final.events), [e.message for e in final.events]
     _check_balanced(results)
 
@@ -138,5 +144,7 @@ def test_a_real_gpu_rank_trains_on_cuda_beside_a_cpu_rank(cluster_factory, tmp_p
     assert devices["gpu"]["device"] == "cuda:0" and devices["gpu"]["cuda"]
     assert devices["cpu"]["device"] == "cpu"
     assert devices["gpu"]["backend"] == devices["cpu"]["backend"] == "gloo"
+    # a GPU rank's speed is unknown before it is measured: the first split is even
+    assert devices["gpu"]["first_share"] == devices["cpu"]["first_share"] == GLOBAL_BATCH // 2
     _check_balanced(results)
 

@@ -12,7 +12,10 @@ Contract:
   compute and its optimizer step, what this rank itself adds to the step. The first step has
   no start: no figures.
 - ``Balancer`` (one per process, ``session.balancer``, made by ``balancer_for``): the shares of
-  the global batch ``B`` (``set_global_batch``: an even split until calibrated), the batch being
+  the global batch ``B`` (``set_global_batch``: the first split until calibrated: in proportion
+  to every rank's CPU allowance when ``agree_prior`` found that all ranks are CPU ranks, which
+  ``prepare`` calls, else even; calibration compares with a split from allowances as it does
+  with a move's refinement, below), the batch being
   trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
   (``mine / total``) and its parameters (its samples since the last parameter sync over
   everyone's) carry, and ``after_step(step, times)`` (the step's ``StepTimes``): after the
@@ -144,11 +147,33 @@ class Balancer:
         self._moved_from: tuple[int, ...] | None = None  # rank 0: the shares before that move
         self._last_measured: int | None = None  # the step of the last comparison (None: none yet, or resumed)
         self._fine_due = True  # rank 0: the fine move may still come (not yet made, no speed changed)
+        self._prior: tuple[float, ...] | None = None  # every rank's CPU allowance, when all are CPU ranks
+        self._first_split = False  # the shares are the first split, from the prior: nothing measured or loaded
+
+    def agree_prior(self, allowance: float) -> tuple[float, ...] | None:
+        """Every rank's ``allowance`` (its CPUs: ``cpu_allowance.cpu_allowance()``; 0 for a rank
+        that is not on the CPU), all-reduced: collective. When every rank gave one, they are the
+        weights of the first split, which the shares take at once if they are still the first
+        split (nothing measured or loaded); with a 0 anywhere, an even split. Returns the weights
+        in force (None: even)."""
+        allowances = torch.zeros(self.world, dtype=torch.float64)
+        allowances[self.rank] = max(0.0, float(allowance))
+        if self.world > 1:
+            dist.all_reduce(allowances)
+        self._prior = tuple(float(a) for a in allowances) if all(a > 0 for a in allowances) else None
+        if self._first_split and self.global_batch is not None:
+            self.shares = self._first_shares(self.global_batch)
+        return self._prior
+
+    def _first_shares(self, global_batch: int) -> tuple[int, ...]:
+        return S.proportional_shares(list(self._prior or [1.0] * self.world), global_batch)
 
     def set_global_batch(self, global_batch: int) -> None:
-        """The global batch ``B``; an even split unless shares for this ``B`` are known."""
+        """The global batch ``B``; the first split (``agree_prior``'s weights, else even) unless
+        shares for this ``B`` are known."""
         if self.shares is None or sum(self.shares) != global_batch:
-            self.shares = S.proportional_shares([1.0] * self.world, global_batch)
+            self.shares = self._first_shares(global_batch)
+            self._first_split = True
             self._bands.reset()
         self.global_batch = global_batch
 
@@ -193,8 +218,12 @@ class Balancer:
         new, fine = None, False
         if self.rank == 0:
             speed_changed = self._bands.observe(self.speeds)
+            refining = self._moved_from if self._refining else None
+            if self._first_split and self._prior is not None:
+                # the allowances' split is a guess, as if moved from an even one: calibration refines it
+                refining = S.proportional_shares([1.0] * self.world, sum(self.shares))
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
-                                       refining=self._moved_from if self._refining else None)
+                                       refining=refining)
             new, self._pending = outcome.shares, outcome.pending
             if new is not None and new != self.shares:
                 if step > self.calibration_steps and not self._refining:
@@ -211,6 +240,7 @@ class Balancer:
             dist.broadcast(decided, src=0)
         shares, fine = tuple(int(x) for x in decided[:-1]), bool(decided[-1])
         changed = shares != self.shares
+        self._first_split = False
         self._moved_from = self.shares
         self.shares = shares
         self.resplits += changed
@@ -233,6 +263,7 @@ class Balancer:
         shares = tuple(int(x) for x in state.get("shares", ()))
         if len(shares) == self.world and shares and (self.global_batch in (None, sum(shares))):
             self.shares, self.global_batch = shares, sum(shares)
+            self._first_split = False
         self.resplits = int(state.get("resplits", 0))
         self._last_measured, self._refining, self._window = None, False, [0, 0.0]  # re-measured from the grid
 

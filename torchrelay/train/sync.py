@@ -48,7 +48,9 @@ Contract:
   local batches of different sizes; DDP's comm hook scales each rank's gradient by
   ``b_i / B`` and sums, so the step's gradient is the whole batch's; gradient warm-up does the
   same, and parameter averages weigh each replica by the samples it trained since the last
-  sync. ``step()`` counts the step for the balancer, which re-splits when due (collective).
+  sync. ``prepare`` agrees the first split with every rank (collective): in proportion to each
+  rank's CPU allowance (``train.cpu_allowance``) when all are on the CPU, else even.
+  ``step()`` counts the step for the balancer, which re-splits when due (collective).
   ``metrics()`` adds ``share``, ``measured_samples_per_s`` and ``resplits``.
 - ddp on 2 gloo ranks, both on CPU: the last gradient bucket (a small model's only one) is
   summed by one exchange of the whole bucket (``train.exchange.PeerSum``, its next receive posted
@@ -82,6 +84,7 @@ from torchrelay.spec import (
 )
 from torchrelay.train import exchange
 from torchrelay.train.balance import Balancer, StepClock, balancer_for
+from torchrelay.train.cpu_allowance import cpu_allowance
 from torchrelay.train.environment import validate_strategy
 from torchrelay.train.memory_meter import MemoryMeter
 from torchrelay.train.prepared import StrategyOptimizer
@@ -691,6 +694,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
     if missing and not isinstance(strategy, DDPStrategy):
         raise InvalidSpec(f"{len(missing)} trainable parameters of the model (indices {missing[:5]}) are "
                           "not in the optimizer; pass an optimizer over model.parameters()")
+    if balancer is not None and dist.is_initialized():
+        # the first split before any step is measured: a CPU rank under a 0.5-cpu quota beside
+        # one of 1 cpu starts at a third of the batch, not half (a GPU rank's speed is unknown: even)
+        balancer.agree_prior(cpu_allowance() if torch.device(ctx.device).type == "cpu" else 0.0)
     if isinstance(strategy, DDPStrategy):
         if dist.is_initialized():
             model = apply_ddp(model, ctx, comm)  # DDP broadcasts rank 0's state itself

@@ -1,0 +1,114 @@
+"""How much CPU this process may use: the least of its cgroups' CPU quotas, its CPU affinity and
+torch's intra-op threads. What the balancer's first split assumes before it has measured a step.
+
+Contract:
+- ``cpu_dirs(self_cgroup, mounts)`` (pure): from the text of ``/proc/self/cgroup`` and
+  ``/proc/self/mounts``, the cgroup version and the directories whose CPU quota binds this
+  process: its own cgroup's and every ancestor's up to the hierarchy's root (a quota anywhere
+  above caps everything below it: an agent's offer holds its launches). ``None`` when no
+  hierarchy with the ``cpu`` controller is mounted (v1 wins where both are, as the agent's does).
+- ``quota_cpus(version, texts)`` (pure): the CPUs a quota allows, from a v1 group's
+  ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us`` texts, or a v2 group's ``cpu.max`` text;
+  ``None`` for no limit (``-1``, ``max``) or text that does not parse.
+- ``cpu_allowance()`` (reads ``/proc`` and the cgroup files; never raises): the least of the
+  quotas on the path, ``len(os.sched_getaffinity(0))`` and ``torch.get_num_threads()`` (a rank
+  whose torch computes on one thread uses one CPU, however many it may). A file that cannot
+  be read counts as no limit.
+
+Why by hand: neither torch nor the standard library reads a cgroup's quota (``os.cpu_count``
+and ``os.process_cpu_count`` see the CPUs, not the quota), and the agent's own cgroup code
+writes groups rather than reading a process's place in them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["cpu_allowance", "cpu_dirs", "quota_cpus"]
+
+
+def _mount_points(mounts: str) -> tuple[str | None, str | None]:
+    """(the v1 mount carrying ``cpu``, the first cgroup2 mount) in ``/proc/self/mounts``."""
+    v1 = v2 = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        where, fstype, options = fields[1], fields[2], fields[3].split(",")
+        if fstype == "cgroup" and "cpu" in options and v1 is None:
+            v1 = where
+        elif fstype == "cgroup2" and v2 is None:
+            v2 = where
+    return v1, v2
+
+
+def _own_paths(self_cgroup: str) -> tuple[str | None, str | None]:
+    """(this process's v1 ``cpu`` cgroup, its v2 cgroup) in ``/proc/self/cgroup``."""
+    v1 = v2 = None
+    for line in self_cgroup.splitlines():
+        number, _, rest = line.partition(":")
+        names, _, path = rest.partition(":")
+        if number == "0" and names == "":
+            v2 = path or "/"
+        elif "cpu" in names.split(","):
+            v1 = path or "/"
+    return v1, v2
+
+
+def cpu_dirs(self_cgroup: str, mounts: str) -> tuple[int, list[str]] | None:
+    """(version, the directories from this process's cgroup up to the root), or None (see the module docstring)."""
+    v1_mount, v2_mount = _mount_points(mounts)
+    own_v1, own_v2 = _own_paths(self_cgroup)
+    if v1_mount is not None and own_v1 is not None:
+        version, mount, own = 1, v1_mount, own_v1
+    elif v2_mount is not None and own_v2 is not None:
+        version, mount, own = 2, v2_mount, own_v2
+    else:
+        return None
+    parts = [p for p in own.split("/") if p and p != ".."]
+    return version, [str(Path(mount, *parts[:n])) for n in range(len(parts), -1, -1)]
+
+
+def quota_cpus(version: int, texts: tuple[str, ...]) -> float | None:
+    """CPUs allowed by one group's quota (see the module docstring): ``texts`` is (quota, period) for v1, (cpu.max,) for v2."""
+    try:
+        if version == 1:
+            quota, period = int(texts[0]), int(texts[1])
+        else:
+            limit, _, period_text = texts[0].strip().partition(" ")
+            if limit == "max":
+                return None
+            quota, period = int(limit), int(period_text or 100_000)
+    except (ValueError, IndexError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def cpu_allowance() -> float:
+    """The CPUs this process can use (see the module docstring); at least a little above 0."""
+    limits = [float(torch.get_num_threads())]
+    try:
+        limits.append(float(len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        limits.append(float(os.cpu_count() or 1))
+    self_cgroup, mounts = _read("/proc/self/cgroup"), _read("/proc/self/mounts")
+    found = cpu_dirs(self_cgroup, mounts) if self_cgroup and mounts else None
+    if found is not None:
+        version, dirs = found
+        names = ("cpu.cfs_quota_us", "cpu.cfs_period_us") if version == 1 else ("cpu.max",)
+        for directory in dirs:
+            texts = tuple(_read(os.path.join(directory, name)) for name in names)
+            if all(t is not None for t in texts):
+                cpus = quota_cpus(version, texts)  # type: ignore[arg-type]
+                if cpus is not None:
+                    limits.append(cpus)
+    return max(min(limits), 1e-3)
