@@ -179,6 +179,24 @@ def scenario_prior(rank: int) -> dict:
         b.after_step(step, None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy))
         history.append(list(b.shares))
     out["guess_off"] = [history[2], history[-1], b.resplits]
+    b = fresh()  # equal allowances, speeds of 100 and 85: 35 + 29 gains 7 %, which calibration never took
+    b.set_global_batch(GLOBAL_BATCH)
+    b.agree_prior(1.0)
+    for step in range(1, 4):
+        b.on_batch(b.share, GLOBAL_BATCH)
+        busy = b.share / (100.0 if rank == 0 else 85.0)
+        b.after_step(step, None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy))
+    out["equal"] = [list(b.shares), b.resplits]
+    b = fresh()  # the guess kept at calibration (100 and 53), then rank 1 at 40: the window to step 13 moves it
+    b.set_global_batch(GLOBAL_BATCH)
+    b.agree_prior(allowance)
+    history = []
+    for step in range(1, 14):
+        b.on_batch(b.share, GLOBAL_BATCH)
+        busy = b.share / (100.0 if rank == 0 else 53.0 if step <= 3 else 40.0)
+        b.after_step(step, None if step == 1 else StepTimes(compute_s=busy, idle_s=0.0, step_s=busy))
+        history.append(list(b.shares))
+    out["half_window"] = [history[2], history[11], history[12]]
     return out
 
 
@@ -388,6 +406,11 @@ def test_the_first_split_follows_the_ranks_cpu_allowances(ranks):
         assert prior["agreed_again"] == [43, 21]
         # a guess off by less than the threshold's gain is refined at calibration, not kept for good
         assert prior["guess_off"] == [[40, 24], [40, 24], 1]
+        # equal allowances: the even split, compared at calibration as it always was
+        assert prior["equal"] == [[32, 32], 0]
+        # a guess kept at calibration is measured again over the next half window (K/2), which
+        # moves it as a refinement: 46 + 18 gains 12 %, a move a plain comparison would hold for a second window
+        assert prior["half_window"] == [[43, 21], [43, 21], [46, 18]]
 
 
 def test_every_sample_once_per_epoch_across_a_resplit(ranks):

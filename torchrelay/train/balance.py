@@ -14,8 +14,8 @@ Contract:
 - ``Balancer`` (one per process, ``session.balancer``, made by ``balancer_for``): the shares of
   the global batch ``B`` (``set_global_batch``: the first split until calibrated: in proportion
   to every rank's CPU allowance when ``agree_prior`` found that all ranks are CPU ranks, which
-  ``prepare`` calls, else even; calibration compares with a split from allowances as it does
-  with a move's refinement, below), the batch being
+  ``prepare`` calls, else even; calibration compares a split from allowances as a move's
+  refinement, below, and the window after it refines it again), the batch being
   trained (``on_batch(mine, total)``, called by the loader), the weights a rank's gradient
   (``mine / total``) and its parameters (its samples since the last parameter sync over
   everyone's) carry, and ``after_step(step, times)`` (the step's ``StepTimes``): after the
@@ -216,12 +216,15 @@ class Balancer:
             dist.all_reduce(speeds)
         self.speeds = tuple(float(x) for x in speeds)
         new, fine = None, False
+        # an uneven first split is the allowances' guess, as if moved from an even one: calibration
+        # compares it as a refinement, and whether or not that moves it, the window after (K/2) is
+        # a refinement too, so a guess is measured over a whole half window before it is kept
+        # (equal allowances give the even split, which calibration compares as it always did)
+        even = S.proportional_shares([1.0] * self.world, sum(self.shares))
+        guessed = self._first_split and self.shares != even
         if self.rank == 0:
             speed_changed = self._bands.observe(self.speeds)
-            refining = self._moved_from if self._refining else None
-            if self._first_split and self._prior is not None:
-                # the allowances' split is a guess, as if moved from an even one: calibration refines it
-                refining = S.proportional_shares([1.0] * self.world, sum(self.shares))
+            refining = even if guessed else self._moved_from if self._refining else None
             outcome = S.decide_resplit(self.shares, self.speeds, self.threshold, self._pending, speed_changed,
                                        refining=refining)
             new, self._pending = outcome.shares, outcome.pending
@@ -241,11 +244,11 @@ class Balancer:
         shares, fine = tuple(int(x) for x in decided[:-1]), bool(decided[-1])
         changed = shares != self.shares
         self._first_split = False
-        self._moved_from = self.shares
+        self._moved_from = even if guessed and not changed else self.shares
         self.shares = shares
         self.resplits += changed
         # a move made from a window is refined by the next one (measured at the new shares), once
-        self._refining = changed and not fine and not self._refining
+        self._refining = (changed and not fine and not self._refining) or guessed
         return changed
 
     def metrics(self) -> dict[str, float]:
