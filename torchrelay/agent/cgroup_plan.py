@@ -1,6 +1,7 @@
 """What the agent writes where to enforce CPU and memory with cgroups (v1 or v2). Pure.
 
-No I/O and no clock: every function maps text (``/proc/self/mounts``, ``/proc/self/cgroup``,
+No I/O and no clock: every function maps text (``/proc/self/mounts``, ``/proc/self/cgroup``
+(``parse_mounts``, ``parse_self_cgroup``; also what ``train.cpu_allowance`` reads them with),
 a cgroup's ``memory.events``) or values (an offer, a launch's resources) to values, and
 ``torchrelay.agent.cgroups`` carries the result out.
 
@@ -114,12 +115,9 @@ def _join(*parts: str) -> str:
     return "/" + path
 
 
-def detect_layout(mounts: str, self_cgroup: str, v2_controllers: str = "", parent: str | None = None) -> Layout:
-    """The hierarchy to use, from ``/proc/self/mounts``, ``/proc/self/cgroup`` and the v2 root's
-    ``cgroup.controllers`` (read by the caller when a cgroup2 mount exists). v1 wins when both
-    ``cpu`` and ``memory`` are mounted there (a hybrid host); else v2 when its root has both.
-    ``parent`` (a path inside the hierarchy) replaces the agent's own cgroup. Raises
-    ``CgroupUnavailable`` naming what is missing."""
+def parse_mounts(mounts: str, controllers: tuple[str, ...] = CONTROLLERS) -> tuple[dict[str, str], str | None]:
+    """From ``/proc/self/mounts``: where each of ``controllers`` is mounted as cgroup v1 (the
+    first mount that carries it), and the first cgroup2 mount (None: none)."""
     v1_mounts: dict[str, str] = {}
     v2_mount = None
     for line in mounts.splitlines():
@@ -128,11 +126,17 @@ def detect_layout(mounts: str, self_cgroup: str, v2_controllers: str = "", paren
             continue
         where, fstype, options = fields[1], fields[2], fields[3].split(",")
         if fstype == "cgroup":
-            for controller in CONTROLLERS:
+            for controller in controllers:
                 if controller in options:
                     v1_mounts.setdefault(controller, where)
         elif fstype == "cgroup2" and v2_mount is None:
             v2_mount = where
+    return v1_mounts, v2_mount
+
+
+def parse_self_cgroup(self_cgroup: str) -> tuple[dict[str, str], str]:
+    """From ``/proc/self/cgroup``: this process's cgroup in each v1 controller's hierarchy, and
+    its v2 cgroup ("/" when the file has no v2 line)."""
     own_v1: dict[str, str] = {}
     own_v2 = "/"
     for line in self_cgroup.splitlines():
@@ -142,6 +146,17 @@ def detect_layout(mounts: str, self_cgroup: str, v2_controllers: str = "", paren
             own_v2 = path or "/"
         for name in names.split(","):
             own_v1[name] = path or "/"
+    return own_v1, own_v2
+
+
+def detect_layout(mounts: str, self_cgroup: str, v2_controllers: str = "", parent: str | None = None) -> Layout:
+    """The hierarchy to use, from ``/proc/self/mounts``, ``/proc/self/cgroup`` and the v2 root's
+    ``cgroup.controllers`` (read by the caller when a cgroup2 mount exists). v1 wins when both
+    ``cpu`` and ``memory`` are mounted there (a hybrid host); else v2 when its root has both.
+    ``parent`` (a path inside the hierarchy) replaces the agent's own cgroup. Raises
+    ``CgroupUnavailable`` naming what is missing."""
+    v1_mounts, v2_mount = parse_mounts(mounts)
+    own_v1, own_v2 = parse_self_cgroup(self_cgroup)
     if all(c in v1_mounts for c in CONTROLLERS):
         return Layout(1, tuple((c, _join(v1_mounts[c], parent or own_v1.get(c, "/"))) for c in CONTROLLERS))
     available = set(v2_controllers.split())

@@ -16,8 +16,8 @@ Contract:
   be read counts as no limit.
 
 Why by hand: neither torch nor the standard library reads a cgroup's quota (``os.cpu_count``
-and ``os.process_cpu_count`` see the CPUs, not the quota), and the agent's own cgroup code
-writes groups rather than reading a process's place in them.
+and ``os.process_cpu_count`` see the CPUs, not the quota). The text of ``/proc`` is parsed by
+the agent's own parsers (``agent.cgroup_plan.parse_mounts``, ``parse_self_cgroup``).
 """
 from __future__ import annotations
 
@@ -26,44 +26,18 @@ from pathlib import Path
 
 import torch
 
+from torchrelay.agent.cgroup_plan import parse_mounts, parse_self_cgroup
+
 __all__ = ["cpu_allowance", "cpu_dirs", "quota_cpus"]
-
-
-def _mount_points(mounts: str) -> tuple[str | None, str | None]:
-    """(the v1 mount carrying ``cpu``, the first cgroup2 mount) in ``/proc/self/mounts``."""
-    v1 = v2 = None
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 4:
-            continue
-        where, fstype, options = fields[1], fields[2], fields[3].split(",")
-        if fstype == "cgroup" and "cpu" in options and v1 is None:
-            v1 = where
-        elif fstype == "cgroup2" and v2 is None:
-            v2 = where
-    return v1, v2
-
-
-def _own_paths(self_cgroup: str) -> tuple[str | None, str | None]:
-    """(this process's v1 ``cpu`` cgroup, its v2 cgroup) in ``/proc/self/cgroup``."""
-    v1 = v2 = None
-    for line in self_cgroup.splitlines():
-        number, _, rest = line.partition(":")
-        names, _, path = rest.partition(":")
-        if number == "0" and names == "":
-            v2 = path or "/"
-        elif "cpu" in names.split(","):
-            v1 = path or "/"
-    return v1, v2
 
 
 def cpu_dirs(self_cgroup: str, mounts: str) -> tuple[int, list[str]] | None:
     """(version, the directories from this process's cgroup up to the root), or None (see the module docstring)."""
-    v1_mount, v2_mount = _mount_points(mounts)
-    own_v1, own_v2 = _own_paths(self_cgroup)
-    if v1_mount is not None and own_v1 is not None:
-        version, mount, own = 1, v1_mount, own_v1
-    elif v2_mount is not None and own_v2 is not None:
+    v1_mounts, v2_mount = parse_mounts(mounts, ("cpu",))
+    own_v1, own_v2 = parse_self_cgroup(self_cgroup)
+    if "cpu" in v1_mounts and "cpu" in own_v1:
+        version, mount, own = 1, v1_mounts["cpu"], own_v1["cpu"]
+    elif v2_mount is not None and self_cgroup.strip():
         version, mount, own = 2, v2_mount, own_v2
     else:
         return None

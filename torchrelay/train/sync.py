@@ -609,7 +609,8 @@ def apply_ddp(model: torch.nn.Module, ctx: Context, comm: Collective) -> torch.n
     if comm.world_size == 2 and exchange.agreed(on_cpu=device.type == "cpu"):
         comm.peer_sum = exchange.PeerSum()
     ddp.register_comm_hook(comm, _weighted_allreduce_hook)
-    _GROUPS_OUTLIVING_REDUCERS.append(dist.group.WORLD)
+    if not any(group is dist.group.WORLD for group in _GROUPS_OUTLIVING_REDUCERS):
+        _GROUPS_OUTLIVING_REDUCERS.append(dist.group.WORLD)
     return ddp
 
 
