@@ -4,7 +4,8 @@ An embedded cluster of two agents on this machine, one offering ``--cpus 1`` and
 ``--cpus 0.5`` (enforced by the agents' cgroups: docs/agent.md; run as root), trains one model
 with the same global batch and seed in every run. ``--model charlm`` (the default): the char
 LM of examples/charlm (2 blocks, d_model 64, windows of 64 characters of Python's own sources),
-global batch 64 windows, target loss 2.5; ``--model digits``: the digits CNN of
+global batch 256 windows (16,384 characters a step, as in nanoGPT's shakespeare-char config), 150
+steps a run, target loss 2.5; ``--model digits``: the digits CNN of
 examples/digits, global batch 128, target loss 0.35 (the digits rows in docs/benchmarks.md). The runs:
 
 - solo: one worker on each agent on its own, with half the global batch: each worker's
@@ -47,12 +48,17 @@ speeds, what the pair loses per sample, the split's rounding, the jitter between
 all-reduce itself and the rest, in ms and as shares of the step: what stands between
 vs_sum_solo and 1.
 
-Why two models: every step of data parallel pays one gradient all-reduce, a few ms on this
-machine's gloo (``bench/step_allreduce.py``). The digits CNN's step is 13 ms, so that fixed cost
-is a third of it and bounds what any split can reach; the char LM's step (about 100 ms for 32
-windows) is mostly compute, as a training step usually is.
+Why two models, and why 256 windows: every step of synchronous data parallel pays costs of its
+own, whatever the split: the all-reduce, a few ms on this machine's gloo
+(``bench/step_allreduce.py``), and the jitter of two ranks under 10 ms CPU quota periods, each
+waiting for whichever is late this step (about 2 ms each here). The digits CNN's step is 13 ms,
+so those are a third of it and bound what any split can reach. The char LM's step at 256
+windows is about 160 ms, and they are 2-5 % of it, as in a training step that is mostly
+compute; at ``--batch 64`` (the default until 2026-12-06, with ``--steps 300 --lift-steps 400``)
+its step is 40 ms, they are a seventh of it, and the equal pair below reaches only 0.84-0.92
+of its solo jobs, which bounds vs_sum_solo there (docs/benchmarks.md has the rows of both).
 
-    sudo .venv/bin/python bench/hetero.py [--model charlm|digits] [--steps 300] [--batch B]
+    sudo .venv/bin/python bench/hetero.py [--model charlm|digits] [--steps N] [--batch B]
     sudo .venv/bin/python bench/hetero.py --only lifted --repeat 8
 
 ``--only lifted`` runs nothing but the lifted run, ``--repeat`` times on one cluster (a few
@@ -108,7 +114,10 @@ model, loss_of, lr = CharLM(CharLMConfig(vocab_size=corpus.vocab_size, context=6
 ''',
 }
 MODEL_FILES = {"digits": ("digits/model.py",), "charlm": ("charlm/model.py", "charlm/data.py")}
-DEFAULTS = {"digits": {"batch": 128, "target_loss": 0.35}, "charlm": {"batch": 64, "target_loss": 2.5}}
+# charlm: 256 windows of 64 characters, 16,384 characters a step (nanoGPT's shakespeare-char step,
+# 64 x 256); at 64 windows a step is 40 ms here and the synchronous step's own costs are a seventh of it
+DEFAULTS = {"digits": {"batch": 128, "target_loss": 0.35, "steps": 300, "lift_steps": 400},
+            "charlm": {"batch": 256, "target_loss": 2.5, "steps": 150, "lift_steps": 200}}
 
 TRAIN = '''
 import argparse, json, time
@@ -152,12 +161,13 @@ rt.shutdown()
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="steps of each run")
-    parser.add_argument("--lift-steps", type=int, default=400, help="steps of the run whose slow worker is lifted")
+    parser.add_argument("--steps", type=int, default=None, help="steps of each run (charlm: 150; digits: 300)")
+    parser.add_argument("--lift-steps", type=int, default=None,
+                        help="steps of the run whose slow worker is lifted (charlm: 200; digits: 400)")
     parser.add_argument("--model", choices=sorted(SETUP), default="charlm")
     parser.add_argument("--solos", choices=("together", "apart"), default="together",
                         help="run the two solo jobs at once (the pair's contention) or one after the other")
-    parser.add_argument("--batch", type=int, default=None, help="the global batch (charlm: 64 windows; digits: 128)")
+    parser.add_argument("--batch", type=int, default=None, help="the global batch (charlm: 256 windows; digits: 128)")
     parser.add_argument("--target-loss", type=float, default=None, help="charlm: 2.5; digits: 0.35")
     parser.add_argument("--only", choices=("all", "lifted"), default="all",
                         help="every run (the default), or only the lifted run, --repeat times")
